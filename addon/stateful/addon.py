@@ -1,0 +1,327 @@
+"""The mitmproxy glue: moves bytes between flows and the pure planner.
+
+Everything that decides lives in ``planner``; this class only reads a flow into
+a ``Request``, writes a planned body back, taps the answer on its way to the
+client, and hands the answer to the planner. Every hook is wrapped so that an
+error inside the addon lets the client's request through untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mitmproxy import command, ctx, exceptions, http
+
+from .planner import Outcome, Plan, Planner, Request, plan_summary
+from .settings import PARSERS, Settings, SettingsError, unknown_names
+from .sse import AnswerReader
+
+logger = logging.getLogger(__name__)
+
+META = "stateful"  # flow.metadata key with the decision (JSON-friendly)
+RETRY_OF = "stateful_retry_of"  # flow.metadata key marking our own retry
+MAX_PENDING = 10_000
+
+
+@dataclass
+class _Pending:
+    """What the addon keeps about a flow between its request and its answer."""
+
+    plan: Plan
+    original: http.Request | None  # the client's request, when we changed it
+    reader: AnswerReader | None = None
+
+
+def _metadata(plan: Plan, outcome: Outcome | None = None) -> dict:
+    data = {
+        "action": plan.action,
+        "reason": plan.reason,
+        "items_total": plan.items_total,
+        "items_sent": plan.items_sent,
+        "previous_response_id": plan.previous_response_id,
+        "forced_store": plan.forced_store,
+    }
+    if outcome is not None:
+        data["outcome"] = outcome.kind
+        data["outcome_detail"] = outcome.detail
+        data["response_id"] = outcome.response_id
+    return data
+
+
+class StatefulResponses:
+    def __init__(self) -> None:
+        self.planner = Planner()
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._option_errors: list[str] = []
+
+    # -- options -------------------------------------------------------------
+
+    def load(self, loader) -> None:
+        self._option_errors = self._prevalidate(loader.master.options)
+        loader.add_option("stateful_enabled", bool, True, "Off: the addon touches nothing.")
+        loader.add_option(
+            "stateful_force_store",
+            bool,
+            True,
+            "Send store: true on requests the addon manages, so that a chain can start. "
+            "The upstream then retains conversations it would otherwise not.",
+        )
+        loader.add_option(
+            "stateful_base_urls",
+            Sequence[str],
+            [],
+            "Only flows whose upstream URL starts with one of these prefixes (empty: all).",
+        )
+        loader.add_option(
+            "stateful_models",
+            Sequence[str],
+            [],
+            "Only these models; a trailing * is a wildcard (empty: all).",
+        )
+        loader.add_option(
+            "stateful_max_chains", int, 256, "How many conversation branches are remembered."
+        )
+        loader.add_option("stateful_debug", bool, False, "Log one line per decision.")
+
+    @staticmethod
+    def _prevalidate(options) -> list[str]:
+        """Parse our deferred ``--set`` values before mitmproxy does.
+
+        mitmproxy parses deferred values when the script registers its options
+        and, on a value it cannot parse, silently skips the whole script. We
+        parse them first with our own rules: good values are handed over
+        already converted, bad ones are removed and reported from
+        ``configure``, which makes mitmdump exit with the option's name.
+        """
+        errors = []
+        deferred = getattr(options, "deferred", {})
+        for name in [n for n in deferred if n in PARSERS]:
+            raw = deferred[name]
+            value = getattr(raw, "val", raw)  # --set gives a list of strings
+            if isinstance(value, list) and name not in ("stateful_base_urls", "stateful_models"):
+                value = value[-1] if value else ""
+            try:
+                parsed = PARSERS[name](name, value)
+                deferred[name] = list(parsed) if isinstance(parsed, tuple) else parsed
+            except SettingsError as e:
+                errors.append(str(e))
+                del deferred[name]
+        return errors
+
+    def configure(self, updated: set[str]) -> None:
+        if self._option_errors:
+            errors, self._option_errors = self._option_errors, []
+            raise exceptions.OptionsError("; ".join(errors))
+        unknown = unknown_names(getattr(ctx.options, "deferred", {}))
+        if unknown:
+            raise exceptions.OptionsError(
+                f"unknown option(s) {', '.join(unknown)}; "
+                f"stateful-responses knows {', '.join(sorted(PARSERS))}"
+            )
+        if not updated & PARSERS.keys():
+            return
+        try:
+            settings = Settings.from_options({n: getattr(ctx.options, n) for n in PARSERS})
+        except SettingsError as e:
+            raise exceptions.OptionsError(str(e)) from None
+        self.planner.reconfigure(settings)
+
+    # -- hooks ---------------------------------------------------------------
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        try:
+            self._plan(flow)
+        except Exception:
+            self._internal_error("planning a request")
+
+    def _plan(self, flow: http.HTTPFlow) -> None:
+        retry_of = flow.metadata.get(RETRY_OF)
+        req = flow.request
+        plan = self.planner.plan(
+            Request(
+                method=req.method,
+                url=req.url,
+                headers={k.lower(): v for k, v in req.headers.items()},
+                body=req.raw_content or b"",
+                content_encoding=req.headers.get("content-encoding", ""),
+            ),
+            rewrite=retry_of is None,
+        )
+        if plan.upstream == "":
+            return  # not a Responses API request: no trace at all
+        flow.metadata[META] = _metadata(plan)
+        if retry_of is None:
+            flow.comment = plan_summary(plan)
+        if not plan.tracked:
+            self._debug("passed %s: %s", plan.model or "-", plan.reason)
+            return
+        original = None
+        if plan.body is not None:
+            original = req.copy()
+            req.content = plan.body
+        self._remember(flow.id, _Pending(plan, original))
+        if plan.action == "continue":
+            self._debug(
+                "rewritten %s: %d items, %d new, previous %s",
+                plan.model,
+                plan.items_total,
+                plan.items_sent,
+                plan.previous_response_id,
+            )
+        else:
+            self._debug("full %s: %d items (%s)", plan.model, plan.items_total, plan.reason)
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        pending = self._pending.get(flow.id)
+        if pending is None or flow.response is None:
+            return
+        try:
+            status = flow.response.status_code
+            if flow.metadata.get(RETRY_OF) is not None:
+                return  # buffered: the whole answer is handed to the client's flow
+            if 400 <= status < 500 and pending.plan.changed:
+                return  # buffered: the response hook retries before the client sees it
+            reader = AnswerReader(
+                flow.response.headers.get("content-type", ""),
+                flow.response.headers.get("content-encoding", ""),
+            )
+            pending.reader = reader
+            downstream = flow.response.stream
+
+            def tap(chunk: bytes) -> bytes:
+                reader.feed(chunk)  # never raises
+                if callable(downstream):
+                    return downstream(chunk)
+                return chunk
+
+            flow.response.stream = tap
+        except Exception:
+            self._internal_error("tapping an answer")
+
+    async def response(self, flow: http.HTTPFlow) -> None:
+        pending = self._pending.pop(flow.id, None)
+        if pending is None or flow.response is None:
+            return
+        try:
+            outcome = self._settle(flow, pending)
+        except Exception:
+            self._internal_error("reading an answer")
+            return
+        if outcome.kind == "retry" and flow.metadata.get(RETRY_OF) is None:
+            await self._retry(flow, pending)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        pending = self._pending.pop(flow.id, None)
+        if pending is None:
+            return
+        try:
+            outcome = self.planner.settle(pending.plan, 599, None)
+            self._debug("dropped: %s (%s)", outcome.detail, flow.error)
+            flow.metadata[META] = _metadata(pending.plan, outcome)
+        except Exception:
+            self._internal_error("handling a failed flow")
+
+    def done(self) -> None:
+        logger.info("stateful-responses: %s", self._stats_line())
+
+    # -- commands ------------------------------------------------------------
+
+    @command.command("stateful.stats")
+    def stats(self) -> str:
+        """Counters of what the addon did, as one line."""
+        return self._stats_line()
+
+    @command.command("stateful.clear")
+    def clear(self) -> None:
+        """Forget every remembered branch."""
+        self.planner.clear()
+        logger.info("stateful-responses: forgot every branch")
+
+    # -- internals -----------------------------------------------------------
+
+    def _settle(self, flow: http.HTTPFlow, pending: _Pending) -> Outcome:
+        assert flow.response is not None
+        reader = pending.reader
+        if reader is None:  # buffered answer
+            reader = AnswerReader(
+                flow.response.headers.get("content-type", ""),
+                flow.response.headers.get("content-encoding", ""),
+            )
+            reader.feed(flow.response.raw_content or b"")
+        response = reader.finish()
+        outcome = self.planner.settle(pending.plan, flow.response.status_code, response)
+        flow.metadata[META] = _metadata(pending.plan, outcome)
+        if outcome.kind == "advanced":
+            self._debug("advanced: %s %s", outcome.response_id, outcome.detail)
+        elif outcome.kind == "unsupported":
+            logger.info(
+                "stateful-responses: %s does not store responses (%s); "
+                "sending full history to it from now on",
+                pending.plan.upstream,
+                outcome.detail,
+            )
+        elif outcome.kind != "retry":
+            self._debug("%s: %s", outcome.kind, outcome.detail)
+        return outcome
+
+    async def _retry(self, flow: http.HTTPFlow, pending: _Pending) -> None:
+        """Send the client's original request once more and give its answer to
+        the client instead of the rejection our change caused."""
+        from mitmproxy.addons.clientplayback import ReplayHandler
+
+        assert pending.original is not None and flow.response is not None
+        rejected = flow.response.status_code
+        counters = self.planner.counters
+        counters.retries += 1
+        self._debug("retrying with the original body after %d", rejected)
+        try:
+            child = flow.copy()
+            child.request = pending.original
+            child.response = None
+            child.error = None
+            child.metadata = {RETRY_OF: flow.id}
+            child.comment = f"retry of {flow.id}: original body after {rejected}"
+            await ReplayHandler(child, ctx.options).replay()
+        except Exception:
+            self._internal_error("retrying a rejected request")
+            return
+        if child.response is not None:
+            flow.response = child.response
+            counters.fallbacks += 1
+            flow.comment = f"{plan_summary(pending.plan)}; upstream answered {rejected}, retried with the original body"
+            flow.marked = ":warning:"
+            flow.metadata[META]["retried_after"] = rejected
+        else:
+            flow.comment = f"retry after {rejected} failed: {child.error}"
+
+    def _remember(self, flow_id: str, pending: _Pending) -> None:
+        self._pending[flow_id] = pending
+        while len(self._pending) > MAX_PENDING:
+            self._pending.popitem(last=False)
+
+    def _internal_error(self, doing: str) -> None:
+        """Log where it broke, never the exception's message: a message can
+        quote request content (a KeyError of a prompt, say)."""
+        self.planner.counters.errors += 1
+        kind, _, tb = sys.exc_info()
+        where = traceback.extract_tb(tb)[-1] if tb else None
+        logger.warning(
+            "stateful-responses: internal error (%s at %s:%s) while %s; flow passed through",
+            kind.__name__ if kind else "?",
+            os.path.basename(where.filename) if where else "?",
+            where.lineno if where else "?",
+            doing,
+        )
+
+    def _debug(self, msg: str, *args) -> None:
+        if self.planner.settings.debug:
+            logger.info("stateful-responses: " + msg, *args)
+
+    def _stats_line(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.planner.stats().items())

@@ -1,0 +1,302 @@
+"""The planner: from a client's request to a decision, and from an answer to
+what the store learns. Pure: no mitmproxy, no I/O.
+
+The one invariant everything here serves: for every request, the upstream's
+context (its stored chain + the input we send) equals the client's input. A
+continuation is planned only from an entry that an upstream answer proved
+stored, and the items sent are the client's own items beyond that entry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from blake3 import blake3
+
+from .items import as_item_list, item_digest, sequence_digests
+from .settings import Settings
+from .store import PrefixStore
+
+Action = Literal["pass", "full", "continue"]
+
+# Headers that identify whose stored responses a request can reach. Upstreams
+# scope stored responses by credential (and organization / project).
+CREDENTIAL_HEADERS = ("authorization", "api-key", "x-api-key", "openai-organization", "openai-project")
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    url: str
+    headers: Mapping[str, str]
+    body: bytes
+    content_encoding: str = ""
+
+
+@dataclass
+class Plan:
+    action: Action
+    reason: str
+    upstream: str = ""
+    model: str = ""
+    body: bytes | None = None  # the body to send upstream when it differs
+    previous_response_id: str | None = None
+    parent: bytes | None = None  # digest of the entry continued from
+    last_prefix: bytes | None = None  # digest of the client's whole input
+    items_total: int = 0
+    items_sent: int = 0
+    asked_store: bool = False  # the body sent upstream says store: true
+    forced_store: bool = False  # we set store: true where the client had not
+    client_bytes: int = 0
+
+    @property
+    def changed(self) -> bool:
+        return self.body is not None
+
+    @property
+    def tracked(self) -> bool:
+        return self.action != "pass"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one answer taught the store, for logs, counters and the flow."""
+
+    kind: Literal["advanced", "dropped", "unsupported", "ignored", "retry"]
+    detail: str
+    response_id: str | None = None
+
+
+@dataclass
+class Counters:
+    requests: int = 0
+    continued: int = 0
+    delta_items: int = 0
+    full_items: int = 0
+    bytes_saved: int = 0
+    retries: int = 0
+    fallbacks: int = 0
+    unsupported_upstreams: int = 0
+    errors: int = 0
+
+
+def upstream_of(url: str) -> str | None:
+    """The base URL a ``.../responses`` endpoint lives under, or None."""
+    parts = urlsplit(url)
+    path = parts.path.rstrip("/")
+    if not path.endswith("/responses"):
+        return None
+    return f"{parts.scheme}://{parts.netloc}{path[: -len('/responses')]}"
+
+
+def _dump(body: dict) -> bytes:
+    try:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates survive only as escapes
+        return json.dumps(body, separators=(",", ":")).encode("ascii")
+
+
+@dataclass
+class Planner:
+    settings: Settings = field(default_factory=Settings)
+    store: PrefixStore = field(init=False)
+    counters: Counters = field(default_factory=Counters)
+    unsupported: set[str] = field(default_factory=set)
+    no_forced_store: set[str] = field(default_factory=set)
+    _secret: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
+
+    def __post_init__(self) -> None:
+        self.store = PrefixStore(self.settings.max_chains)
+
+    def reconfigure(self, settings: Settings) -> None:
+        if settings.max_chains != self.settings.max_chains:
+            self.store = PrefixStore(settings.max_chains)
+        self.settings = settings
+
+    def namespace(self, upstream: str, model: str, headers: Mapping[str, str]) -> bytes:
+        """The root digest that every stored sequence of one namespace hangs from.
+
+        A namespace is upstream + model + credential. It deliberately leaves out
+        ``prompt_cache_key``, ``instructions`` and ``tools``: matching is by item
+        content, so two requests whose items agree are the same conversation up
+        to that point whatever they are called; instructions and tools are resent
+        with every request and are not part of the stored context (FACTS.md);
+        and clients vary ``prompt_cache_key`` freely (openai-agents sends a new
+        one on every ``Runner.run``), which would make every turn start over.
+        The credential enters only through a keyed hash with a per-process
+        secret: it is never stored, and the digest cannot be tested offline.
+        """
+        h = blake3(key=self._secret)
+        for part in (upstream, model, *(headers.get(n, "") for n in CREDENTIAL_HEADERS)):
+            h.update(part.encode("utf-8", "surrogatepass"))
+            h.update(b"\x00")
+        return h.digest()
+
+    def plan(self, request: Request, *, rewrite: bool = True) -> Plan:
+        """Decide what to send. With ``rewrite=False`` (our own retry of a
+        client's original body) nothing is changed, only tracked."""
+        s = self.settings
+        if not s.enabled:
+            return Plan("pass", "addon disabled")
+        if request.method.upper() != "POST":
+            return Plan("pass", "not a POST")
+        upstream = upstream_of(request.url)
+        if upstream is None:
+            return Plan("pass", "not a /responses endpoint")
+        if not s.url_matches(request.url):
+            return Plan("pass", "upstream not in stateful_base_urls")
+        if rewrite:
+            self.counters.requests += 1
+        if request.content_encoding not in ("", "identity"):
+            return Plan("pass", "compressed request body", upstream)
+        try:
+            body = json.loads(request.body)
+        except (ValueError, RecursionError):
+            return Plan("pass", "body is not JSON", upstream)
+        if not isinstance(body, dict):
+            return Plan("pass", "body is not a JSON object", upstream)
+        model = body.get("model")
+        if not isinstance(model, str):
+            return Plan("pass", "no string model", upstream)
+        if not s.model_matches(model):
+            return Plan("pass", "model not in stateful_models", upstream, model)
+        if body.get("previous_response_id") is not None:
+            return Plan("pass", "client sent previous_response_id", upstream, model)
+        if body.get("conversation") is not None:
+            return Plan("pass", "client uses a conversation", upstream, model)
+        items = as_item_list(body.get("input"))
+        if items is None:
+            return Plan("pass", "input is not a list or string", upstream, model)
+        if not items or not all(isinstance(i, dict) for i in items):
+            return Plan("pass", "input has no items or non-object items", upstream, model)
+        client_store = body.get("store")
+        if client_store is False and not s.force_store:
+            return Plan("pass", "client sent store:false", upstream, model)
+        if upstream in self.unsupported:
+            return Plan("pass", "upstream does not store responses", upstream, model)
+
+        root = self.namespace(upstream, model, request.headers)
+        prefixes = list(sequence_digests(root, map(item_digest, items)))
+        force = (
+            rewrite
+            and s.force_store
+            and client_store is not True
+            and upstream not in self.no_forced_store
+        )
+        asked_store = client_store is True or force
+        plan = Plan(
+            "full",
+            "no stored prefix",
+            upstream,
+            model,
+            last_prefix=prefixes[-1],
+            items_total=len(items),
+            items_sent=len(items),
+            asked_store=asked_store,
+            forced_store=force,
+            client_bytes=len(request.body),
+        )
+        if not asked_store:
+            plan.reason = "full; the request does not ask to store"
+        match = self.store.deepest(prefixes) if rewrite else None
+        if match is not None:
+            body["previous_response_id"] = match.response_id
+            body["input"] = items[match.length :]
+            plan.action = "continue"
+            plan.reason = f"extends {match.response_id}"
+            plan.previous_response_id = match.response_id
+            plan.parent = match.digest
+            plan.items_sent = len(items) - match.length
+        if force:
+            body["store"] = True
+        if match is not None or force:
+            plan.body = _dump(body)
+        if rewrite:
+            self._count(plan)
+        return plan
+
+    def _count(self, plan: Plan) -> None:
+        c = self.counters
+        if plan.action == "continue":
+            c.continued += 1
+            c.delta_items += plan.items_sent
+        else:
+            c.full_items += plan.items_sent
+        if plan.body is not None:
+            c.bytes_saved += plan.client_bytes - len(plan.body)
+
+    def settle(self, plan: Plan, status_code: int, response: Any) -> Outcome:
+        """Learn from the upstream's answer to a planned request.
+
+        ``response`` is the answer's response object (from the JSON body or the
+        SSE terminal event), or None when there was none to read.
+        """
+        if status_code >= 400:
+            self._forget_parent(plan)
+            if 400 <= status_code < 500 and plan.changed:
+                if plan.action == "full":  # only our forced store was refused
+                    self.no_forced_store.add(plan.upstream)
+                return Outcome("retry", f"upstream answered {status_code} to a changed request")
+            return Outcome("dropped", f"upstream answered {status_code}")
+        if not isinstance(response, dict):
+            self._forget_parent(plan)
+            return Outcome("dropped", "no response object in the answer")
+        rid = response.get("id")
+        status = response.get("status")
+        if plan.action == "continue" and response.get("previous_response_id", plan.previous_response_id) != plan.previous_response_id:
+            self._mark_unsupported(plan.upstream)
+            return Outcome("unsupported", "upstream ignored previous_response_id", rid)
+        if status != "completed" or not isinstance(rid, str) or not rid:
+            self._forget_parent(plan)
+            return Outcome("dropped", f"response status {status!r}", rid if isinstance(rid, str) else None)
+        stored = response.get("store")
+        if not isinstance(stored, bool):
+            stored = plan.asked_store
+        if not stored:
+            if plan.asked_store:
+                self._mark_unsupported(plan.upstream)
+                return Outcome("unsupported", "upstream did not store a response it was asked to", rid)
+            return Outcome("ignored", "response not stored", rid)
+        output = response.get("output")
+        if not isinstance(output, list) or not all(isinstance(i, dict) for i in output):
+            self._forget_parent(plan)
+            return Outcome("dropped", "response output is not a list of items", rid)
+        assert plan.last_prefix is not None
+        digest = plan.last_prefix
+        for digest in sequence_digests(plan.last_prefix, map(item_digest, output)):
+            pass
+        self.store.remember(digest, plan.items_total + len(output), rid, plan.parent, plan.upstream)
+        return Outcome("advanced", f"stores {plan.items_total + len(output)} items", rid)
+
+    def _forget_parent(self, plan: Plan) -> None:
+        if plan.parent is not None:
+            self.store.forget(plan.parent)
+
+    def _mark_unsupported(self, upstream: str) -> None:
+        if upstream not in self.unsupported:
+            self.unsupported.add(upstream)
+            self.counters.unsupported_upstreams += 1
+        self.store.forget_scope(upstream)
+
+    def clear(self) -> None:
+        self.store.clear()
+
+    def stats(self) -> dict[str, int]:
+        return {**vars(self.counters), "branches": self.store.branch_count}
+
+
+def plan_summary(plan: Plan) -> str:
+    """One line for the flow list; never any prompt text."""
+    if plan.action == "continue":
+        return f"continued from {plan.previous_response_id}: {plan.items_sent} of {plan.items_total} items sent"
+    if plan.action == "full":
+        return f"full: {plan.items_total} items ({plan.reason})"
+    return f"passed: {plan.reason}"
+
+
+__all__: Sequence[str] = ["Planner", "Plan", "Request", "Outcome", "plan_summary", "upstream_of"]

@@ -1,0 +1,103 @@
+"""The addon's settings, parsed and validated without mitmproxy.
+
+mitmproxy silently skips a script when a ``--set`` value it cannot parse
+targets one of the script's options (FACTS.md), so every value is parsed here
+first, by rules that accept what a person would type, and a bad one becomes an
+error that names the option.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+PREFIX = "stateful_"
+_TRUE = {"true", "1", "yes", "on", ""}
+_FALSE = {"false", "0", "no", "off"}
+
+
+class SettingsError(ValueError):
+    pass
+
+
+def parse_bool(name: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise SettingsError(f"{name}: expected true or false, got {value!r}")
+
+
+def parse_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise SettingsError(f"{name}: expected a positive integer, got {value!r}")
+    try:
+        number = int(value.strip() if isinstance(value, str) else value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise SettingsError(f"{name}: expected a positive integer, got {value!r}") from None
+    if number < 1:
+        raise SettingsError(f"{name}: must be at least 1, got {number}")
+    return number
+
+
+def parse_list(name: str, value: object) -> tuple[str, ...]:
+    """A list option: repeated ``--set`` values, each may hold commas."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, Iterable) or not all(isinstance(v, str) for v in value):
+        raise SettingsError(f"{name}: expected a list of strings, got {value!r}")
+    return tuple(p.strip() for v in value for p in v.split(",") if p.strip())
+
+
+def _check_urls(name: str, urls: tuple[str, ...]) -> tuple[str, ...]:
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise SettingsError(f"{name}: {url!r} is not an http(s) URL prefix")
+    return urls
+
+
+def _check_models(name: str, models: tuple[str, ...]) -> tuple[str, ...]:
+    for model in models:
+        if "*" in model[:-1]:
+            raise SettingsError(f"{name}: {model!r}: '*' is only allowed at the end")
+    return models
+
+
+PARSERS = {
+    "stateful_enabled": parse_bool,
+    "stateful_force_store": parse_bool,
+    "stateful_base_urls": lambda n, v: _check_urls(n, parse_list(n, v)),
+    "stateful_models": lambda n, v: _check_models(n, parse_list(n, v)),
+    "stateful_max_chains": parse_positive_int,
+    "stateful_debug": parse_bool,
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    enabled: bool = True
+    force_store: bool = True
+    base_urls: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
+    max_chains: int = 256
+    debug: bool = False
+
+    @classmethod
+    def from_options(cls, values: dict[str, object]) -> Settings:
+        parsed = {name: PARSERS[name](name, values[name]) for name in PARSERS if name in values}
+        return cls(**{name.removeprefix(PREFIX): v for name, v in parsed.items()})
+
+    def url_matches(self, url: str) -> bool:
+        return not self.base_urls or any(url.startswith(p) for p in self.base_urls)
+
+    def model_matches(self, model: str) -> bool:
+        if not self.models:
+            return True
+        return any(
+            model.startswith(p[:-1]) if p.endswith("*") else model == p for p in self.models
+        )
+
+
+def unknown_names(names: Iterable[str]) -> list[str]:
+    """Names with our prefix that are not our options (likely misspellings)."""
+    return sorted(n for n in names if n.startswith(PREFIX) and n not in PARSERS)

@@ -1,0 +1,207 @@
+"""Read an answer on the side while its bytes pass through untouched.
+
+``AnswerReader`` is fed the raw chunks mitmproxy streams to the client (still
+content-encoded, FACTS.md) and finds the response object: from a JSON body, or
+from an SSE stream's events. It never changes, holds back or reorders bytes;
+it only looks. If anything about the answer cannot be read (unknown encoding,
+oversized event, broken JSON), it gives up quietly and the answer is simply not
+learned from.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from typing import Any
+
+# Events that carry the whole response object (FACTS.md).
+RESPONSE_EVENTS = frozenset(
+    {
+        "response.created",
+        "response.in_progress",
+        "response.queued",
+        "response.completed",
+        "response.failed",
+        "response.incomplete",
+        "response.cancelled",
+    }
+)
+INTERESTING_EVENTS = RESPONSE_EVENTS | {"response.output_item.done", "error"}
+MAX_BUFFER = 64 * 1024 * 1024
+
+
+class Unreadable(Exception):
+    pass
+
+
+class _Decoder:
+    """Incremental content decoding for the encodings upstreams use."""
+
+    def __init__(self, encoding: str) -> None:
+        enc = encoding.strip().lower()
+        self._obj: Any = None
+        if enc in ("", "identity"):
+            return
+        if enc in ("gzip", "x-gzip"):
+            self._obj = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        elif enc == "deflate":
+            self._obj = _Deflate()
+        elif enc == "br":
+            import brotli  # a mitmproxy dependency
+
+            self._obj = _Brotli(brotli.Decompressor())
+        elif enc == "zstd":
+            import zstandard  # a mitmproxy dependency
+
+            self._obj = zstandard.ZstdDecompressor().decompressobj()
+        else:
+            raise Unreadable(f"content-encoding {encoding!r}")
+
+    def feed(self, data: bytes) -> bytes:
+        return data if self._obj is None else self._obj.decompress(data)
+
+
+class _Deflate:
+    """``deflate`` is zlib-wrapped by the standard, raw in some servers."""
+
+    def __init__(self) -> None:
+        self._obj: Any = None
+
+    def decompress(self, data: bytes) -> bytes:
+        if self._obj is None:
+            if not data:
+                return b""
+            raw = (data[0] & 0x0F) != 8
+            self._obj = zlib.decompressobj(-zlib.MAX_WBITS if raw else zlib.MAX_WBITS)
+        return self._obj.decompress(data)
+
+
+class _Brotli:
+    def __init__(self, obj: Any) -> None:
+        self._obj = obj
+
+    def decompress(self, data: bytes) -> bytes:
+        return self._obj.process(data) if hasattr(self._obj, "process") else self._obj.decompress(data)
+
+
+class SSEParser:
+    """The WHATWG event-stream framing: LF, CR or CRLF line ends, multi-line
+    ``data``, comments, events split anywhere across chunks."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._event = ""
+        self._data: list[str] = []
+
+    def feed(self, data: bytes) -> list[tuple[str, str]]:
+        buf = self._buf + data
+        events: list[tuple[str, str]] = []
+        start = 0
+        n = len(buf)
+        while True:
+            lf = buf.find(b"\n", start)
+            cr = buf.find(b"\r", start, lf if lf != -1 else n)
+            if cr != -1:
+                if cr + 1 == n:  # a CR at the end may be half of a CRLF
+                    break
+                end, nxt = cr, cr + 2 if buf[cr + 1 : cr + 2] == b"\n" else cr + 1
+            elif lf != -1:
+                end, nxt = lf, lf + 1
+            else:
+                break
+            self._line(buf[start:end], events)
+            start = nxt
+        self._buf = buf[start:]
+        if len(self._buf) > MAX_BUFFER:
+            raise Unreadable("SSE line too long")
+        return events
+
+    def _line(self, line: bytes, events: list[tuple[str, str]]) -> None:
+        if not line:
+            if self._data:
+                events.append((self._event, "\n".join(self._data)))
+            self._event, self._data = "", []
+            return
+        if line.startswith(b":"):
+            return
+        name, _, value = line.partition(b":")
+        if value.startswith(b" "):
+            value = value[1:]
+        if name == b"data":
+            self._data.append(value.decode("utf-8", "replace"))
+        elif name == b"event":
+            self._event = value.decode("utf-8", "replace")
+
+
+class AnswerReader:
+    """Finds the response object of one answer, JSON or SSE, chunk by chunk."""
+
+    def __init__(self, content_type: str, content_encoding: str) -> None:
+        self.is_sse = content_type.split(";")[0].strip().lower() == "text/event-stream"
+        self.response: dict | None = None
+        self.error: dict | None = None
+        self.failed_reason: str | None = None
+        self._items: dict[int, dict] = {}
+        self._json = bytearray()
+        self._sse = SSEParser()
+        try:
+            self._decoder: _Decoder | None = _Decoder(content_encoding)
+        except Unreadable as e:
+            self._give_up(str(e))
+
+    def feed(self, chunk: bytes) -> None:
+        """Look at one raw chunk. Never raises."""
+        if self._decoder is None:
+            return
+        try:
+            data = self._decoder.feed(chunk)
+            if self.is_sse:
+                for event, payload in self._sse.feed(data):
+                    self._event(event, payload)
+            else:
+                self._json += data
+                if len(self._json) > MAX_BUFFER:
+                    raise Unreadable("JSON answer too large to read")
+        except Exception as e:  # noqa: BLE001 - a reader must never break the stream
+            self._give_up(f"{type(e).__name__}: {e}")
+
+    def finish(self) -> dict | None:
+        """The response object, once the answer has ended; None if unreadable."""
+        if self._decoder is None:
+            return None
+        if not self.is_sse:
+            try:
+                body = json.loads(bytes(self._json))
+            except ValueError:
+                self._give_up("answer is not JSON")
+                return None
+            self.response = body if isinstance(body, dict) else None
+        elif self.response is not None and not self.response.get("output") and self._items:
+            # Servers that leave the terminal event's output empty still sent
+            # every item in output_item.done.
+            self.response["output"] = [self._items[i] for i in sorted(self._items)]
+        return self.response
+
+    def _event(self, event: str, payload: str) -> None:
+        if event and event not in INTERESTING_EVENTS:
+            return  # deltas: skip the JSON parse
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            return  # e.g. "[DONE]"
+        if not isinstance(data, dict):
+            return
+        kind = data.get("type", event)
+        if kind in RESPONSE_EVENTS and isinstance(data.get("response"), dict):
+            self.response = data["response"]
+        elif kind == "response.output_item.done" and isinstance(data.get("item"), dict):
+            index = data.get("output_index")
+            self._items[index if isinstance(index, int) else len(self._items)] = data["item"]
+        elif kind == "error":
+            self.error = data
+
+    def _give_up(self, reason: str) -> None:
+        self._decoder = None
+        self.failed_reason = reason
+        self.response = None
+        self._json = bytearray()
