@@ -1,0 +1,7 @@
+"""A faithful OpenAI Responses API emulator: the oracle for stateful-responses'
+demo and tests. It never imports the addon."""
+
+from .model import ResponsesModel, context_digest, sse_events
+from .server import Emulator
+
+__all__ = ["Emulator", "ResponsesModel", "context_digest", "sse_events"]

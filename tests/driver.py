@@ -1,0 +1,122 @@
+"""Drive a multi-turn, tool-using conversation with the real openai SDK and
+check, request by request, what the upstream effectively saw."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import openai
+
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Weather for a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
+INSTRUCTIONS = "You are a terse assistant."
+
+
+def user_turns(n: int, tag: str = "") -> list[str]:
+    """n user turns; every third one asks for a tool call."""
+    turns = []
+    for i in range(n):
+        if i % 3 == 1:
+            turns.append(f'{tag}turn {i}: call:get_weather({{"city": "City{i}"}})')
+        else:
+            turns.append(f"{tag}turn {i}: tell me something about the number {i}.")
+    return turns
+
+
+def drop_nulls(value: Any) -> Any:
+    """The API treats a null field as absent."""
+    if isinstance(value, dict):
+        return {k: drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [drop_nulls(v) for v in value]
+    return value
+
+
+def expand_input(value: Any) -> list:
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": value}]}]
+    return value
+
+
+@dataclass
+class Sent:
+    body: dict
+    size: int
+
+
+@dataclass
+class Conversation:
+    """One conversation through ``base_url``; records every request body the
+    client sent (before the proxy)."""
+
+    base_url: str
+    api_key: str = "sk-test-key"
+    stream: bool = False
+    as_dicts: bool = False  # pass output back as model_dump() dicts instead of SDK objects
+    model: str = "gpt-test"
+    history: list = field(default_factory=list)
+    sent: list[Sent] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        def hook(request: httpx.Request) -> None:
+            if request.url.path.endswith("/responses"):
+                body = request.read()
+                self.sent.append(Sent(json.loads(body), len(body)))
+
+        self.client = openai.OpenAI(
+            base_url=self.base_url + "/v1",
+            api_key=self.api_key,
+            max_retries=0,
+            http_client=httpx.Client(event_hooks={"request": [hook]}, trust_env=False, timeout=30),
+        )
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _create(self):
+        kwargs = dict(model=self.model, input=self.history, tools=TOOLS, instructions=INSTRUCTIONS)
+        if not self.stream:
+            return self.client.responses.create(**kwargs)
+        final = None
+        with self.client.responses.create(stream=True, **kwargs) as events:
+            for event in events:
+                if event.type in ("response.completed", "response.failed", "response.incomplete"):
+                    final = event.response
+        assert final is not None, "stream ended without a terminal event"
+        return final
+
+    def turn(self, text: str) -> int:
+        """One user turn, including the tool loop. Returns requests made."""
+        self.history.append({"role": "user", "content": text})
+        requests = 0
+        while True:
+            response = self._create()
+            requests += 1
+            output = [o.model_dump() if self.as_dicts else o for o in response.output]
+            self.history.extend(output)
+            calls = [o for o in response.output if o.type == "function_call"]
+            if not calls:
+                return requests
+            for call in calls:
+                args = json.loads(call.arguments)
+                self.history.append(
+                    {"type": "function_call_output", "call_id": call.call_id, "output": json.dumps({"city": args.get("city"), "temp_c": 21})}
+                )
+
+
+def assert_context_preserved(sent: list[Sent], log: list[dict]) -> None:
+    """For every request: the upstream's effective context == the client's input."""
+    upstream = [r for r in log if "context" in r]
+    assert len(upstream) == len(sent), (len(upstream), len(sent))
+    for n, (client, seen) in enumerate(zip(sent, upstream)):
+        expected = drop_nulls(expand_input(client.body["input"]))
+        assert drop_nulls(seen["context"]) == expected, f"request {n}: upstream context differs from the client's input"

@@ -1,0 +1,47 @@
+"""Forward mode through a real mitmdump, between the openai SDK and the emulator."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from driver import Conversation, assert_context_preserved, user_turns
+
+
+def get_log(emulator) -> list[dict]:
+    return emulator.model.snapshot_log()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("as_dicts", [False, True], ids=["sdk-objects", "model-dump"])
+def test_long_tool_conversation_continues_every_request(proxy, emulator, stream, as_dicts):
+    conv = Conversation(proxy.url, stream=stream, as_dicts=as_dicts)
+    try:
+        for text in user_turns(12):
+            conv.turn(text)
+    finally:
+        conv.close()
+    log = get_log(emulator)
+    assert len(conv.sent) >= 16  # 12 turns plus the tool loops
+    assert_context_preserved(conv.sent, log)
+    assert log[0]["continued"] is False
+    assert all(r["continued"] for r in log[1:]), [r["continued"] for r in log]
+    # each continued request carried only the new items
+    for client, seen in zip(conv.sent[1:], log[1:]):
+        assert seen["input_items"] < len(client.body["input"])
+    upstream_bytes = sum(r["body_bytes"] for r in log)
+    client_bytes = sum(s.size for s in conv.sent)
+    assert upstream_bytes < client_bytes / 2
+
+
+def test_sse_bytes_reach_the_client_unchanged(proxy, emulator):
+    conv = Conversation(proxy.url, as_dicts=True)
+    conv.turn("hello there")
+    conv.close()
+    body = {"model": "gpt-test", "stream": True, "input": conv.history + [{"role": "user", "content": "and now?"}]}
+    with httpx.Client(trust_env=False) as client:
+        with client.stream("POST", proxy.url + "/v1/responses", json=body,
+                           headers={"authorization": "Bearer sk-test-key"}) as answer:
+            received = b"".join(answer.iter_raw())
+    record = get_log(emulator)[-1]
+    assert record["continued"] is True
+    assert received == record["sse"].encode()
