@@ -7,8 +7,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import openai
+
+try:  # openai-python 3.x speaks through httpx2, 1.x and 2.x through httpx
+    import httpx2 as httpx
+except ImportError:
+    import httpx
 
 TOOLS = [
     {

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import httpx
 import pytest
-from driver import Conversation, assert_context_preserved, user_turns
+from driver import Conversation, assert_context_preserved, httpx, user_turns
 
 
 def get_log(emulator) -> list[dict]:
