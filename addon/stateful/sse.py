@@ -58,7 +58,9 @@ class _Decoder:
             raise Unreadable(f"content-encoding {encoding!r}")
 
     def feed(self, data: bytes) -> bytes:
-        return data if self._obj is None else self._obj.decompress(data)
+        if self._obj is None or not data:  # zstd refuses even b"" after its frame
+            return data
+        return self._obj.decompress(data)
 
 
 class _Deflate:
@@ -114,6 +116,14 @@ class SSEParser:
         self._buf = buf[start:]
         if len(self._buf) > MAX_BUFFER:
             raise Unreadable("SSE line too long")
+        return events
+
+    def close(self) -> list[tuple[str, str]]:
+        """End of stream: a held-back final CR ends its line after all."""
+        events: list[tuple[str, str]] = []
+        if self._buf.endswith(b"\r"):
+            self._buf = self._buf[:-1] + b"\n"
+            events = self.feed(b"")
         return events
 
     def _line(self, line: bytes, events: list[tuple[str, str]]) -> None:
@@ -176,7 +186,14 @@ class AnswerReader:
                 self._give_up("answer is not JSON")
                 return None
             self.response = body if isinstance(body, dict) else None
-        elif self.response is not None and not self.response.get("output") and self._items:
+            return self.response
+        try:
+            for event, payload in self._sse.close():
+                self._event(event, payload)
+        except Exception as e:  # noqa: BLE001
+            self._give_up(f"{type(e).__name__}: {e}")
+            return None
+        if self.response is not None and not self.response.get("output") and self._items:
             # Servers that leave the terminal event's output empty still sent
             # every item in output_item.done.
             self.response["output"] = [self._items[i] for i in sorted(self._items)]

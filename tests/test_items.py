@@ -1,0 +1,89 @@
+"""Item equivalence: what counts as the same content, and what never does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from stateful.items import item_digest, normalize_item
+
+OUTPUT_MESSAGE = {
+    "type": "message", "id": "msg_1", "status": "completed", "role": "assistant", "phase": "final_answer",
+    "content": [{"type": "output_text", "text": "It is sunny.", "annotations": [], "logprobs": []}],
+}
+FUNCTION_CALL = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+                 "arguments": '{"city": "Paris", "days": 2}', "status": "completed"}
+REASONING = {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAA"}
+
+
+def same(a, b) -> bool:
+    return item_digest(a) == item_digest(b)
+
+
+@pytest.mark.parametrize(
+    ("upstream", "echo"),
+    [
+        (OUTPUT_MESSAGE, {k: v for k, v in OUTPUT_MESSAGE.items() if k not in ("id", "status")}),
+        (OUTPUT_MESSAGE, {**OUTPUT_MESSAGE, "caller": None, "namespace": None}),
+        ({**OUTPUT_MESSAGE, "phase": None}, {"role": "assistant", "content": "It is sunny."}),
+        ({"role": "user", "content": "hi"},
+         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}),
+        (FUNCTION_CALL, {**FUNCTION_CALL, "arguments": '{"days":2,"city":"Paris"}', "id": None}),
+        (REASONING, {**REASONING, "content": None, "id": "rs_other"}),
+        (FUNCTION_CALL, dict(reversed(list(FUNCTION_CALL.items())))),
+    ],
+    ids=["ids-status", "null-keys", "easy-assistant", "easy-user", "arguments-whitespace",
+         "codex-reasoning", "key-order"],
+)
+def test_reshaped_echoes_are_equal(upstream, echo):
+    assert same(upstream, echo)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        (OUTPUT_MESSAGE, {**OUTPUT_MESSAGE, "content": [{"type": "output_text", "text": "It is rainy."}]}),
+        (OUTPUT_MESSAGE, {**OUTPUT_MESSAGE, "phase": "commentary"}),
+        (OUTPUT_MESSAGE, {k: v for k, v in OUTPUT_MESSAGE.items() if k != "phase"}),
+        (OUTPUT_MESSAGE, {**OUTPUT_MESSAGE, "role": "user"}),
+        ({"role": "assistant", "content": "x"}, {"role": "user", "content": "x"}),
+        (FUNCTION_CALL, {**FUNCTION_CALL, "arguments": '{"city": "Lyon", "days": 2}'}),
+        (FUNCTION_CALL, {**FUNCTION_CALL, "arguments": '{"city": "Paris", "days": 2.0}'}),
+        (FUNCTION_CALL, {**FUNCTION_CALL, "call_id": "call_2"}),
+        (REASONING, {**REASONING, "encrypted_content": "gBBB"}),
+        ({"type": "item_reference", "id": "msg_1"}, {"type": "item_reference", "id": "msg_2"}),
+        ({"type": "function_call_output", "call_id": "c", "output": "1"},
+         {"type": "function_call_output", "call_id": "c", "output": "2"}),
+    ],
+    ids=["other-text", "other-phase", "dropped-phase", "other-role", "easy-other-role", "other-argument",
+         "int-vs-float", "other-call-id", "other-reasoning", "other-reference", "other-tool-result"],
+)
+def test_changes_of_meaning_are_never_equal(a, b):
+    assert not same(a, b)
+
+
+def test_non_json_arguments_compare_as_text():
+    bad = {**FUNCTION_CALL, "arguments": "{not json"}
+    assert same(bad, {**bad, "id": "x"})
+    assert not same(bad, {**FUNCTION_CALL, "arguments": "{not json "})
+
+
+def test_dropped_reasoning_item_changes_the_sequence():
+    # item identity is per item; a dropped item changes the sequence length, never hides in another
+    assert not same(REASONING, OUTPUT_MESSAGE)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=10,
+)
+
+
+@given(st.dictionaries(st.text(max_size=6), json_values, max_size=5))
+def test_normal_form_is_stable_and_idempotent(item):
+    once = normalize_item(item)
+    assert json.loads(json.dumps(once)) == once
+    assert item_digest(item) == item_digest(json.loads(json.dumps(item)))

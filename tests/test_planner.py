@@ -1,0 +1,241 @@
+"""The planner and store against a reference upstream, without mitmproxy."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from stateful.items import item_digest
+from stateful.planner import Planner, Request
+from stateful.settings import Settings
+
+URL = "https://api.example.test/v1/responses"
+_ids = itertools.count()
+
+
+def request(items, key="sk-a", model="gpt-test", **extra) -> Request:
+    body = {"model": model, "input": items, **extra}
+    return Request("POST", URL, {"authorization": f"Bearer {key}"}, json.dumps(body).encode())
+
+
+class ReferenceUpstream:
+    """The API's storage semantics, minimal: context = stored chain + input."""
+
+    def __init__(self) -> None:
+        self.stored: dict[tuple[str, str], list] = {}
+
+    def answer(self, key: str, body: dict, output: list, store_ok: bool = True):
+        prev = body.get("previous_response_id")
+        chain = []
+        if prev is not None:
+            if (key, prev) not in self.stored:
+                return 400, None, None
+            chain = self.stored[(key, prev)]
+        items = body["input"] if isinstance(body["input"], list) else [{"role": "user", "content": body["input"]}]
+        context = chain + items
+        rid = f"resp_{next(_ids)}"
+        stored = body.get("store", True) is not False and store_ok
+        if stored:
+            self.stored[(key, rid)] = context + output
+        return 200, {"id": rid, "status": "completed", "store": stored, "output": output}, context
+
+
+def assistant_output(n: int) -> list:
+    return [{"type": "message", "id": f"msg_{n}", "status": "completed", "role": "assistant",
+             "content": [{"type": "output_text", "text": f"answer {n}", "annotations": []}]}]
+
+
+def tool_output(n: int) -> list:
+    return [{"type": "function_call", "id": f"fc_{n}", "call_id": f"call_{n}", "name": "f",
+             "arguments": json.dumps({"n": n}), "status": "completed"}]
+
+
+def echo(item: dict, style: int) -> dict:
+    """How a client might hand an upstream item back, meaning unchanged."""
+    if style == 1:  # model_dump(): null-valued extras
+        return {**item, "phase": None, "caller": None}
+    if style == 2 and item["type"] == "message":  # easy assistant message
+        return {"role": "assistant", "content": item["content"][0]["text"]}
+    if style == 2 and item["type"] == "function_call":  # compact re-serialization, no ids
+        return {"type": "function_call", "call_id": item["call_id"], "name": item["name"],
+                "arguments": json.dumps(json.loads(item["arguments"]), separators=(",", ":"))}
+    return dict(item)
+
+
+def digests(items) -> list[bytes]:
+    return [item_digest(i) for i in items]
+
+
+def send(planner: Planner, upstream: ReferenceUpstream, key: str, items: list, output: list, **extra):
+    """One client request through the planner; returns (plan, context the upstream saw)."""
+    req = request(items, key, **extra)
+    plan = planner.plan(req)
+    sent = json.loads(plan.body) if plan.body is not None else json.loads(req.body)
+    status, response, context = upstream.answer(key, sent, output)
+    outcome = planner.settle(plan, status, response)
+    if outcome.kind == "retry":  # what the glue does: the original body, once
+        retry = planner.plan(req, rewrite=False)
+        status, response, context = upstream.answer(key, json.loads(req.body), output)
+        planner.settle(retry, status, response)
+    assert status == 200
+    return plan, response, context
+
+
+def test_continues_with_exactly_the_new_items():
+    planner, upstream = Planner(), ReferenceUpstream()
+    items = [{"role": "user", "content": "hi"}]
+    plan, response, _ = send(planner, upstream, "k", items, assistant_output(1))
+    assert plan.action == "full" and json.loads(plan.body)["store"] is True
+    items = items + [echo(o, 2) for o in response["output"]] + [{"role": "user", "content": "more"}]
+    plan, _, context = send(planner, upstream, "k", items, assistant_output(2))
+    assert plan.action == "continue"
+    sent = json.loads(plan.body)
+    assert sent["previous_response_id"] == response["id"]
+    assert sent["input"] == [{"role": "user", "content": "more"}]
+    assert digests(context) == digests(items)
+
+
+def test_interleaved_conversations_sharing_everything_all_continue():
+    planner, upstream = Planner(), ReferenceUpstream()
+    convs = [[{"role": "user", "content": f"user {u} opens"}] for u in range(4)]
+    for turn in range(6):
+        for u, conv in enumerate(convs):
+            plan, response, context = send(planner, upstream, "k", conv, assistant_output(turn * 10 + u),
+                                           instructions="same", tools=[{"type": "function", "name": "f"}])
+            assert digests(context) == digests(conv)
+            assert plan.action == ("full" if turn == 0 else "continue")
+            conv += response["output"] + [{"role": "user", "content": f"user {u} turn {turn}"}]
+
+
+def test_fork_continues_from_the_deepest_shared_ancestor():
+    planner, upstream = Planner(), ReferenceUpstream()
+    conv = [{"role": "user", "content": "start"}]
+    ids = []
+    for n in range(4):
+        _, response, _ = send(planner, upstream, "k", conv, assistant_output(n))
+        ids.append(response["id"])
+        conv = conv + response["output"] + [{"role": "user", "content": f"next {n}"}]
+    # regenerate from the second answer: items up to and including answer 1, then a new message
+    fork = conv[:4] + [{"role": "user", "content": "a different question"}]
+    plan, _, context = send(planner, upstream, "k", fork, assistant_output(99))
+    assert plan.action == "continue" and plan.previous_response_id == ids[1]
+    assert digests(context) == digests(fork)
+    # an edit of the very first message shares nothing: full
+    edited = [{"role": "user", "content": "edited start"}] + conv[1:]
+    plan, _, _ = send(planner, upstream, "k", edited, assistant_output(100))
+    assert plan.action == "full"
+
+
+def test_tenants_and_models_never_mix():
+    planner, upstream = Planner(), ReferenceUpstream()
+    conv = [{"role": "user", "content": "shared words"}]
+    _, response, _ = send(planner, upstream, "tenant-a", conv, assistant_output(1))
+    later = conv + response["output"] + [{"role": "user", "content": "next"}]
+    assert planner.plan(request(later, "tenant-b")).action == "full"
+    assert planner.plan(request(later, "tenant-a", model="other")).action == "full"
+    assert planner.plan(request(later, "tenant-a")).action == "continue"
+    org = request(later, "tenant-a")
+    org = Request(org.method, org.url, {**org.headers, "openai-organization": "org-2"}, org.body)
+    assert planner.plan(org).action == "full"
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        ({"previous_response_id": "resp_x"}, "client sent previous_response_id"),
+        ({"conversation": "conv_1"}, "client uses a conversation"),
+    ],
+)
+def test_client_managed_state_passes_untouched(extra, reason):
+    plan = Planner().plan(request([{"role": "user", "content": "x"}], **extra))
+    assert (plan.action, plan.reason, plan.body) == ("pass", reason, None)
+
+
+def test_store_false_is_respected_without_force_store():
+    planner = Planner(Settings(force_store=False))
+    plan = planner.plan(request([{"role": "user", "content": "x"}], store=False))
+    assert plan.action == "pass" and plan.body is None
+    plan = planner.plan(request([{"role": "user", "content": "x"}]))
+    assert plan.action == "full" and plan.body is None and not plan.asked_store
+
+
+def test_no_continuation_without_a_stored_parent():
+    planner, upstream = Planner(), ReferenceUpstream()
+    conv = [{"role": "user", "content": "x"}]
+    req = request(conv)
+    plan = planner.plan(req)
+    # the upstream answered but did not store although asked: it is unsupported from now on
+    outcome = planner.settle(plan, 200, {"id": "resp_1", "status": "completed", "store": False,
+                                         "output": assistant_output(1)})
+    assert outcome.kind == "unsupported"
+    nxt = conv + assistant_output(1) + [{"role": "user", "content": "y"}]
+    plan = planner.plan(request(nxt))
+    assert plan.action == "pass" and plan.body is None
+
+
+@pytest.mark.parametrize("status", ["failed", "incomplete", "cancelled", "in_progress"])
+def test_unfinished_answers_teach_nothing(status):
+    planner = Planner()
+    conv = [{"role": "user", "content": "x"}]
+    plan = planner.plan(request(conv))
+    outcome = planner.settle(plan, 200, {"id": "resp_1", "status": status, "store": True, "output": assistant_output(1)})
+    assert outcome.kind == "dropped"
+    assert planner.plan(request(conv + assistant_output(1) + [{"role": "user", "content": "y"}])).action == "full"
+    assert "resp_1" not in str(planner.stats()) and not planner.unsupported
+
+
+def test_string_input_starts_a_chain():
+    planner, upstream = Planner(), ReferenceUpstream()
+    plan, response, _ = send(planner, upstream, "k", "hello", assistant_output(1))
+    nxt = [{"role": "user", "content": "hello"}] + response["output"] + [{"role": "user", "content": "more"}]
+    plan, _, context = send(planner, upstream, "k", nxt, assistant_output(2))
+    assert plan.action == "continue" and digests(context) == digests(nxt)
+
+
+# -- the property: random conversations against the reference upstream -------
+
+actions = st.sampled_from(["turn", "turn", "turn", "tool", "fork", "edit", "forget", "new"])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), max_chains=st.integers(1, 6))
+def test_effective_context_always_equals_client_input(data, max_chains):
+    planner = Planner(Settings(max_chains=max_chains))
+    upstream = ReferenceUpstream()
+    convs: list[tuple[str, list]] = [("k1", [{"role": "user", "content": "open 0"}])]
+    for step in range(data.draw(st.integers(1, 25), label="steps")):
+        action = data.draw(actions, label="action")
+        c = data.draw(st.integers(0, len(convs) - 1), label="conversation")
+        key, conv = convs[c]
+        if action == "new":
+            convs.append((data.draw(st.sampled_from(["k1", "k2"])), [{"role": "user", "content": f"open {step % 3}"}]))
+            continue
+        if action == "forget" and upstream.stored:
+            victim = data.draw(st.sampled_from(sorted(upstream.stored)), label="forgotten")
+            del upstream.stored[victim]
+            continue
+        if action == "fork" and len(conv) > 1:
+            cut = data.draw(st.integers(1, len(conv)), label="cut")
+            conv = conv[:cut] + [{"role": "user", "content": f"fork {step}"}]
+            convs.append((key, conv))
+        elif action == "edit" and len(conv) > 1:
+            i = data.draw(st.integers(0, len(conv) - 1), label="edited")
+            conv = conv[:i] + [{"role": "user", "content": f"edited {step}"}] + conv[i + 1 :]
+            convs[c] = (key, conv)
+        output = tool_output(step) if action == "tool" else assistant_output(step % 4)
+        plan, response, context = send(planner, upstream, key, conv, output)
+        assert digests(context) == digests(conv), "upstream context differs from the client's input"
+        event(f"{action}: {plan.action}")
+        if plan.action == "continue":
+            assert plan.items_sent >= 1
+        style = data.draw(st.integers(0, 2), label="echo style")
+        conv = conv + [echo(o, style) for o in response["output"]]
+        if action == "tool":
+            conv.append({"type": "function_call_output", "call_id": f"call_{step}", "output": "ok"})
+        else:
+            conv.append({"role": "user", "content": f"turn {step}"})
+        convs[c] = (key, conv)
+        assert planner.store.branch_count <= max_chains

@@ -1,0 +1,38 @@
+"""Option parsing and validation (pure)."""
+
+from __future__ import annotations
+
+import pytest
+from stateful.settings import Settings, SettingsError, unknown_names
+
+
+def test_defaults_match_the_documented_table():
+    s = Settings.from_options({})
+    assert (s.enabled, s.force_store, s.base_urls, s.models, s.max_chains, s.debug) == (True, True, (), (), 256, False)
+
+
+@pytest.mark.parametrize("text,value", [("true", True), ("YES", True), ("on", True), ("1", True),
+                                        ("false", False), ("no", False), ("Off", False), ("0", False)])
+def test_booleans_a_person_would_type(text, value):
+    assert Settings.from_options({"stateful_debug": text}).debug is value
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"stateful_debug": "maybe"}, {"stateful_max_chains": "0"}, {"stateful_max_chains": "lots"},
+     {"stateful_max_chains": True}, {"stateful_base_urls": ["api.openai.com"]}, {"stateful_models": ["g*pt"]}],
+)
+def test_bad_values_name_the_option(options):
+    with pytest.raises(SettingsError, match=next(iter(options))):
+        Settings.from_options(options)
+
+
+def test_lists_and_wildcards():
+    s = Settings.from_options({"stateful_models": ["gpt-5*, o4-mini"], "stateful_base_urls": ["https://api.openai.com/v1"]})
+    assert s.models == ("gpt-5*", "o4-mini")
+    assert s.model_matches("gpt-5.1-codex") and s.model_matches("o4-mini") and not s.model_matches("o4-mini-2")
+    assert s.url_matches("https://api.openai.com/v1/responses") and not s.url_matches("http://api.openai.com/v1/responses")
+
+
+def test_misspelled_names_are_found():
+    assert unknown_names(["stateful_debgu", "stateful_debug", "other_option"]) == ["stateful_debgu"]
