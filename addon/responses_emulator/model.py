@@ -122,12 +122,12 @@ class ResponsesModel:
 
     # -- one request ---------------------------------------------------------
 
-    def handle(self, credential: str, body: Any, body_bytes: int) -> tuple[dict, dict | None]:
+    def handle(self, credential: str, body: Any, body_bytes: int, raw_sha256: str = "") -> tuple[dict, dict | None]:
         """Validate, resolve context, answer. Returns (response, one-shot fault).
 
         Raises APIError with the API's status and body for refused requests.
         """
-        record: dict[str, Any] = {"body_bytes": body_bytes, "credential": hashlib.sha256(credential.encode()).hexdigest()[:8]}
+        record: dict[str, Any] = {"body_bytes": body_bytes, "body_sha256": raw_sha256, "credential": hashlib.sha256(credential.encode()).hexdigest()[:8]}
         with self._lock:
             self.log.append(record)
             try:
@@ -160,7 +160,7 @@ class ResponsesModel:
         record.update(input_items=len(items), previous_response_id=previous, stream=bool(body.get("stream")),
                       store=store, instructions=body.get("instructions"), model=model)
 
-        if f.refuse_store and store:
+        if f.refuse_store and body.get("store") is True:
             raise APIError(400, "Store must be false for this organization due to Zero Data Retention.", param="store")
         chain: list = []
         if previous is not None:
@@ -184,7 +184,7 @@ class ResponsesModel:
         if fault and fault.get("kind") in ("failed", "incomplete"):
             status = fault["kind"]
         response = self._response_object(body, model, output, status, previous, store)
-        keep = store is not False and f.stateless is None and status == "completed"
+        keep = store is not False and f.stateless is None and not f.refuse_store and status == "completed"
         if keep:
             self._stored[(credential, response["id"])] = Stored(response, context + output, True)
         record["response_id"] = response["id"]
@@ -255,7 +255,7 @@ class ResponsesModel:
         if status == "failed":
             response["error"] = {"code": "server_error", "message": "The model failed to answer."}
         if self.faults.echo_store:
-            response["store"] = store is not False and self.faults.stateless is None
+            response["store"] = store is not False and self.faults.stateless is None and not self.faults.refuse_store
         return response
 
 

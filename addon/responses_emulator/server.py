@@ -9,6 +9,7 @@ Control plane:
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import socket
 import ssl
@@ -31,6 +32,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _read_body(self) -> bytes:
         length = int(self.headers.get("content-length") or 0)
         body = self.rfile.read(length) if length else b""
+        self.raw_sha256 = hashlib.sha256(body).hexdigest()
         if self.headers.get("content-encoding", "").lower() == "gzip":
             body = gzip.decompress(body)
         return body
@@ -68,7 +70,7 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             parsed = None
         try:
-            response, fault = self.server.model.handle(credential, parsed, len(body))
+            response, fault = self.server.model.handle(credential, parsed, len(body), self.raw_sha256)
         except APIError as e:
             self._send_json(e.status, e.body)
             return
