@@ -1,0 +1,143 @@
+"""The mitmproxy glue, in-process, with mitmproxy's own test helpers."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+
+import pytest
+from conftest import ADDON
+from mitmproxy.test import taddons, tflow, tutils
+from stateful.addon import META, StatefulResponses
+
+UPSTREAM_OUTPUT = [{"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+                    "content": [{"type": "output_text", "text": "hi!", "annotations": []}]}]
+
+
+def responses_flow(body: dict | bytes, answer: dict | None = None) -> tflow.HTTPFlow:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = tutils.treq(method=b"POST", scheme=b"https", host="api.example.test", port=443,
+                      path=b"/v1/responses", content=content,
+                      headers=[(b"authorization", b"Bearer sk-x"), (b"content-type", b"application/json")])
+    resp: bool | object = False
+    if answer is not None:
+        resp = tutils.tresp(status_code=200, content=json.dumps(answer).encode(),
+                            headers=[(b"content-type", b"application/json")])
+    return tflow.tflow(req=req, resp=resp)
+
+
+def stream_through(addon, flow, data: bytes, chunk: int = 7) -> bytes:
+    """What the client receives when ``data`` streams through the addon's tap."""
+    addon.responseheaders(flow)
+    out = b""
+    for i in range(0, len(data), chunk):
+        out += flow.response.stream(data[i:i + chunk])
+    return out + flow.response.stream(b"")
+
+
+async def test_a_conversation_is_continued_and_traced_on_the_flow(caplog):
+    caplog.set_level("INFO")
+    addon = StatefulResponses()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, stateful_debug=True)
+        first = [{"role": "user", "content": "hello"}]
+        answer = {"id": "resp_1", "status": "completed", "store": True, "output": UPSTREAM_OUTPUT}
+        f = responses_flow({"model": "m", "input": first}, answer)
+        addon.request(f)
+        assert json.loads(f.request.content)["store"] is True
+        assert f.request.headers["content-length"] == str(len(f.request.raw_content))
+        stream_through(addon, f, json.dumps(answer).encode())
+        await addon.response(f)
+        assert f.metadata[META]["outcome"] == "advanced"
+
+        second = first + UPSTREAM_OUTPUT + [{"role": "user", "content": "again"}]
+        f2 = responses_flow({"model": "m", "input": second, "tools": []})
+        addon.request(f2)
+        sent = json.loads(f2.request.content)
+        assert sent == {"model": "m", "input": second[-1:], "tools": [], "previous_response_id": "resp_1", "store": True}
+        assert f2.comment == "continued from resp_1: 1 of 3 items sent"
+        assert f2.metadata[META]["action"] == "continue"
+        assert "rewritten m: 3 items, 1 new, previous resp_1" in caplog.text
+
+
+async def test_the_tap_passes_every_byte_unchanged_even_when_reading_fails():
+    addon = StatefulResponses()
+    with taddons.context(addon):
+        f = responses_flow({"model": "m", "input": "hello"}, {})
+        f.response.headers["content-type"] = "text/event-stream"
+        addon.request(f)
+        garbage = b"data: {\xff\xfe broken\r\n\r\n" * 100 + b"\x00" * 1000
+        assert stream_through(addon, f, garbage) == garbage
+        await addon.response(f)
+        assert f.metadata[META]["outcome"] == "dropped"
+
+
+async def test_an_internal_error_lets_the_original_request_through(monkeypatch, caplog):
+    addon = StatefulResponses()
+    with taddons.context(addon):
+        body = json.dumps({"model": "m", "input": "secret prompt text"}).encode()
+        f = responses_flow(body)
+
+        def explode(*args, **kwargs):
+            raise KeyError("secret prompt text")
+
+        monkeypatch.setattr(addon.planner, "plan", explode)
+        addon.request(f)
+        assert f.request.raw_content == body
+        assert addon.planner.counters.errors == 1
+        assert "internal error (KeyError" in caplog.text
+        assert "secret prompt text" not in caplog.text
+
+
+async def test_other_traffic_is_not_touched_and_leaves_no_trace():
+    addon = StatefulResponses()
+    with taddons.context(addon):
+        f = tflow.tflow(req=tutils.treq(method=b"POST", path=b"/v1/chat/completions",
+                                        content=b'{"model": "m", "messages": []}'))
+        addon.request(f)
+        assert META not in f.metadata and not f.comment
+        assert f.request.content == b'{"model": "m", "messages": []}'
+
+
+async def test_disabled_touches_nothing():
+    addon = StatefulResponses()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, stateful_enabled=False)
+        f = responses_flow({"model": "m", "input": "hello"})
+        before = f.request.raw_content
+        addon.request(f)
+        assert f.request.raw_content == before and META not in f.metadata
+
+
+async def test_commands_stats_and_clear():
+    addon = StatefulResponses()
+    with taddons.context(addon) as tctx:
+        answer = {"id": "resp_1", "status": "completed", "store": True, "output": UPSTREAM_OUTPUT}
+        f = responses_flow({"model": "m", "input": "hello"}, answer)
+        addon.request(f)
+        await addon.response(f)
+        stats = tctx.master.commands.call("stateful.stats")
+        assert "requests=1" in stats and "branches=1" in stats
+        tctx.master.commands.call("stateful.clear")
+        assert "branches=0" in tctx.master.commands.call("stateful.stats")
+
+
+def test_reloading_the_entry_script_reloads_the_package():
+    first = runpy.run_path(str(ADDON))
+    module_before = sys.modules["stateful.addon"]
+    second = runpy.run_path(str(ADDON))
+    assert sys.modules["stateful.addon"] is not module_before
+    assert type(first["addons"][0]) is not type(second["addons"][0])
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_configure_rejects_bad_values_in_process(value):
+    from mitmproxy import exceptions
+
+    addon = StatefulResponses()
+    with taddons.context(addon) as tctx:
+        with pytest.raises(exceptions.OptionsError, match="stateful_max_chains"):
+            tctx.options.deferred["stateful_max_chains"] = value
+            addon._option_errors = addon._prevalidate(tctx.options)
+            tctx.configure(addon)
