@@ -9,16 +9,31 @@ VENV="${VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
 MITMPROXY="${MITMPROXY:-mitmproxy>=11}"
 STAMP="$VENV/.installed-$(cat "$ROOT/pyproject.toml" | cksum | cut -d' ' -f1)-$(echo "$MITMPROXY" | cksum | cut -d' ' -f1)"
+pip_install() {
+    # pip's exit status decides; its known-harmless chatter is filtered out.
+    local log status=0
+    log="$(mktemp)"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" >"$log" 2>&1 || status=$?
+    grep -v -e "^WARNING: Location" -e "dependency resolver does not" -e "h11" "$log" >&2 || true
+    rm -f "$log"
+    return "$status"
+}
 if [ ! -f "$STAMP" ]; then
     echo "setting up $VENV with $("$PYTHON" --version 2>&1) and $MITMPROXY" >&2
     [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >&2
-    # mitmproxy is pinned first and on its own: resolving it together with the
-    # openai SDK can backtrack to an old mitmproxy that fails to build (FACTS.md).
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$MITMPROXY" >&2
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[test]" "$MITMPROXY" 2>&1 \
-        | grep -v -e "^WARNING: Location" -e "dependency conflicts" -e "h11" >&2 || true
-    "$VENV/bin/python" -c "import mitmproxy, blake3, pytest, hypothesis, openai" \
+    pip_install --upgrade pip
+    # Three steps on purpose. mitmproxy alone first: resolving it together with
+    # the openai SDK can backtrack to an old mitmproxy that fails to build.
+    # Then the test tools alone: the newest SDKs want an h11 newer than
+    # mitmproxy 11 pins; pip reports the conflict and mitmdump 11 runs fine
+    # with it (FACTS.md), whereas one joint resolution would backtrack the
+    # clients we test to old releases. Then the project itself, without deps.
+    pip_install "$MITMPROXY" "blake3>=0.4"
+    TEST_DEPS="$("$VENV/bin/python" -c 'import tomllib,sys; print(" ".join(tomllib.load(open(sys.argv[1],"rb"))["project"]["optional-dependencies"]["test"]))' "$ROOT/pyproject.toml")"
+    # shellcheck disable=SC2086
+    pip_install $TEST_DEPS
+    pip_install --no-deps -e "$ROOT"
+    "$VENV/bin/python" -c "import mitmproxy, blake3, pytest, hypothesis, openai, agents, langchain_openai" \
         || { echo "installation into $VENV failed" >&2; exit 1; }
     rm -f "$VENV"/.installed-*
     touch "$STAMP"

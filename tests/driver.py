@@ -117,10 +117,50 @@ class Conversation:
                 )
 
 
-def assert_context_preserved(sent: list[Sent], log: list[dict]) -> None:
-    """For every request: the upstream's effective context == the client's input."""
+_BOOKKEEPING = {"id", "status", "annotations", "logprobs"}
+
+
+def meaning(item: Any) -> Any:
+    """An item as the model sees it, written here independently of the addon:
+    bookkeeping fields and nulls dropped, an easy message as its typed form,
+    function-call arguments as parsed JSON. Used only for clients that
+    re-shape items (langchain); the openai SDK tests compare exactly."""
+    if isinstance(item, list):
+        return [meaning(i) for i in item]
+    if not isinstance(item, dict):
+        return item
+    out = {k: meaning(v) for k, v in item.items() if v is not None and k not in _BOOKKEEPING}
+    if "role" in out and out.get("type", "message") == "message":
+        out["type"] = "message"
+        if isinstance(out.get("content"), str):
+            kind = "output_text" if out["role"] == "assistant" else "input_text"
+            out["content"] = [{"type": kind, "text": out["content"]}]
+    if out.get("type") == "function_call" and isinstance(out.get("arguments"), str):
+        out["arguments"] = json.loads(out["arguments"])
+    return out
+
+
+def assert_context_preserved(sent: list[Sent], log: list[dict], reshaped: bool = False) -> None:
+    """For every request: the upstream's effective context == the client's input
+    (exactly, nulls aside; or in meaning, for clients that re-shape items)."""
     upstream = [r for r in log if "context" in r]
     assert len(upstream) == len(sent), (len(upstream), len(sent))
+    same = meaning if reshaped else drop_nulls
     for n, (client, seen) in enumerate(zip(sent, upstream)):
-        expected = drop_nulls(expand_input(client.body["input"]))
-        assert drop_nulls(seen["context"]) == expected, f"request {n}: upstream context differs from the client's input"
+        expected = same(expand_input(client.body["input"]))
+        assert same(seen["context"]) == expected, f"request {n}: upstream context differs from the client's input"
+
+
+def recording_clients(sent: list[Sent]):
+    """(sync, async) HTTP clients for an SDK that record every request body."""
+
+    def record(request) -> None:
+        if request.url.path.endswith("/responses"):
+            body = request.read()
+            sent.append(Sent(json.loads(body), len(body)))
+
+    async def arecord(request) -> None:
+        record(request)
+
+    return (httpx.Client(event_hooks={"request": [record]}, trust_env=False, timeout=30),
+            httpx.AsyncClient(event_hooks={"request": [arecord]}, trust_env=False, timeout=30))

@@ -1,0 +1,133 @@
+"""Real client libraries through mitmdump and the emulator: every one keeps full
+correctness and continues at least 90% of the requests it could."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+from driver import TOOLS, Conversation, assert_context_preserved, recording_clients, user_turns
+
+MIN_RATE = 0.9
+
+
+def continuation_rate(log: list[dict]) -> float:
+    """Continued requests over eligible ones (all but the conversation's first)."""
+    eligible = log[1:]
+    return sum(1 for r in eligible if r["continued"]) / len(eligible)
+
+
+def report(request, log) -> None:
+    rate = continuation_rate(log)
+    request.node.user_properties.append(("continuation_rate", rate))
+    print(f"\n{request.node.name}: {len(log)} requests, continuation rate {rate:.0%}")
+    assert rate >= MIN_RATE
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_openai_async_sdk(proxy, emulator, stream, request):
+    sent: list = []
+    _, http = recording_clients(sent)
+
+    async def run() -> None:
+        client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="sk-a", http_client=http, max_retries=0)
+        history: list = []
+        for text in user_turns(9):
+            history.append({"role": "user", "content": text})
+            while True:
+                if stream:
+                    async with await client.responses.create(model="gpt-test", input=history, tools=TOOLS,
+                                                             stream=True) as events:
+                        final = [e async for e in events if e.type == "response.completed"][0].response
+                else:
+                    final = await client.responses.create(model="gpt-test", input=history, tools=TOOLS)
+                history += final.output
+                calls = [o for o in final.output if o.type == "function_call"]
+                if not calls:
+                    break
+                history += [{"type": "function_call_output", "call_id": c.call_id, "output": "21C"} for c in calls]
+        await client.close()
+
+    asyncio.run(run())
+    log = emulator.model.snapshot_log()
+    assert_context_preserved(sent, log)
+    report(request, log)
+
+
+def test_openai_agents_runner(proxy, emulator, request):
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)  # tracing would export to the network
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Weather for a city."""
+        return f"{city}: 21C"
+
+    sent: list = []
+    _, http = recording_clients(sent)
+
+    async def run() -> None:
+        client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="sk-a", http_client=http, max_retries=0)
+        agent = agents.Agent(name="assistant", instructions="Be terse.", tools=[get_weather],
+                             model=agents.OpenAIResponsesModel(model="gpt-test", openai_client=client))
+        history: list = []
+        for text in user_turns(9):
+            result = await agents.Runner.run(agent, history + [{"role": "user", "content": text}])
+            history = result.to_input_list()
+        await client.close()
+
+    asyncio.run(run())
+    log = emulator.model.snapshot_log()
+    assert len(sent) >= 12
+    assert_context_preserved(sent, log, reshaped=True)
+    report(request, log)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["invoke", "stream"])
+def test_langchain_openai_responses_api(proxy, emulator, stream, request):
+    lc = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Weather for a city."""
+        return f"{city}: 21C"
+
+    sent: list = []
+    http, _ = recording_clients(sent)
+    llm = lc.ChatOpenAI(model="gpt-test", base_url=proxy.url + "/v1", api_key="sk-a", use_responses_api=True,
+                        http_client=http, max_retries=0).bind_tools([get_weather])
+    messages: list = []
+    for text in user_turns(9):
+        messages.append(HumanMessage(text))
+        while True:
+            if stream:
+                ai = None
+                for chunk in llm.stream(messages):
+                    ai = chunk if ai is None else ai + chunk
+            else:
+                ai = llm.invoke(messages)
+            messages.append(ai)
+            if not ai.tool_calls:
+                break
+            for call in ai.tool_calls:
+                messages.append(ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"]))
+    log = emulator.model.snapshot_log()
+    assert len(sent) >= 12
+    assert_context_preserved(sent, log, reshaped=True)
+    report(request, log)
+
+
+def test_model_dump_dicts_and_sdk_objects_mixed(proxy, emulator, request):
+    conv = Conversation(proxy.url)
+    for n, text in enumerate(user_turns(6)):
+        conv.as_dicts = n % 2 == 0
+        conv.turn(text)
+    conv.close()
+    log = emulator.model.snapshot_log()
+    assert_context_preserved(conv.sent, log)
+    report(request, log)
+    assert json.dumps(conv.sent[-1].body).count('"phase": null') >= 1
