@@ -141,3 +141,34 @@ def test_configure_rejects_bad_values_in_process(value):
             tctx.options.deferred["stateful_max_chains"] = value
             addon._option_errors = addon._prevalidate(tctx.options)
             tctx.configure(addon)
+
+
+def rendered(flow) -> tuple[str, str]:
+    """(view name, text) as mitmproxy itself renders the request body in "auto" mode."""
+    from mitmproxy import contentviews
+
+    if hasattr(contentviews, "prettify_message"):  # mitmproxy 12
+        result = contentviews.prettify_message(flow.request, flow, "auto")
+        return result.view_name, result.text
+    description, lines, _ = contentviews.get_message_content_view("auto", flow.request, flow)
+    return description, "\n".join("".join(text for _, text in line) for line in lines)
+
+
+async def test_mitmweb_view_shows_the_decision_and_both_bodies():
+    addon = StatefulResponses()
+    with taddons.context(addon):
+        answer = {"id": "resp_1", "status": "completed", "store": True, "output": UPSTREAM_OUTPUT}
+        f = responses_flow({"model": "m", "input": [{"role": "user", "content": "hello"}]}, answer)
+        addon.request(f)
+        await addon.response(f)
+        f2 = responses_flow({"model": "m", "input": [{"role": "user", "content": "hello"}] + UPSTREAM_OUTPUT
+                             + [{"role": "user", "content": "again"}]})
+        addon.request(f2)
+        name, text = rendered(f2)
+        assert name == "Stateful Responses"
+        assert "decision: continue (extends resp_1)" in text
+        assert "--- client sent" in text and "--- sent upstream" in text
+        assert text.index('"again"') < text.index("--- sent upstream") < text.rindex('"again"')
+        assert f2.marked == ":recycle:" and f.marked == ":arrow_right:"
+        other = tflow.tflow()
+        assert rendered(other)[0] != "Stateful Responses"

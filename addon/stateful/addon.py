@@ -21,12 +21,14 @@ from mitmproxy import command, ctx, exceptions, http
 from .planner import Outcome, Plan, Planner, Request, plan_summary
 from .settings import PARSERS, Settings, SettingsError, unknown_names
 from .sse import AnswerReader
+from .view import CLIENT_BODY, META, register, unregister
 
 logger = logging.getLogger(__name__)
 
-META = "stateful"  # flow.metadata key with the decision (JSON-friendly)
 RETRY_OF = "stateful_retry_of"  # flow.metadata key marking our own retry
 MAX_PENDING = 10_000
+# flow.marked shows in mitmweb's flow list: continued, sent full, passed.
+MARKS = {"continue": ":recycle:", "full": ":arrow_right:", "pass": ":white_circle:"}
 
 
 @dataclass
@@ -59,10 +61,12 @@ class StatefulResponses:
         self.planner = Planner()
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self._option_errors: list[str] = []
+        self._view = None
 
     # -- options -------------------------------------------------------------
 
     def load(self, loader) -> None:
+        self._view = register()
         self._option_errors = self._prevalidate(loader.master.options)
         loader.add_option("stateful_enabled", bool, True, "Off: the addon touches nothing.")
         loader.add_option(
@@ -158,12 +162,14 @@ class StatefulResponses:
         flow.metadata[META] = _metadata(plan)
         if retry_of is None:
             flow.comment = plan_summary(plan)
+            flow.marked = MARKS.get(plan.action, "")
         if not plan.tracked:
             self._debug("passed %s: %s", plan.model or "-", plan.reason)
             return
         original = None
         if plan.body is not None:
             original = req.copy()
+            flow.metadata[CLIENT_BODY] = original.raw_content
             req.content = plan.body
         self._remember(flow.id, _Pending(plan, original))
         if plan.action == "continue":
@@ -228,6 +234,8 @@ class StatefulResponses:
             self._internal_error("handling a failed flow")
 
     def done(self) -> None:
+        if self._view is not None:
+            unregister(self._view)
         logger.info("stateful-responses: %s", self._stats_line())
 
     # -- commands ------------------------------------------------------------

@@ -1,0 +1,92 @@
+"""The mitmweb / mitmproxy contentview: for a matched flow, the decision and the
+client's original body beside the body sent upstream.
+
+mitmproxy 12 has ``contentviews.Contentview`` (``prettify``); mitmproxy 11 has
+``contentviews.View`` (``__call__``). One renderer, two thin adapters.
+"""
+
+from __future__ import annotations
+
+import json
+
+from mitmproxy import contentviews
+
+META = "stateful"
+CLIENT_BODY = "stateful_client_body"  # flow.metadata: the client's body, when we changed it
+NAME = "Stateful Responses"
+
+
+def _pretty(data: bytes) -> str:
+    try:
+        return json.dumps(json.loads(data), indent=2, ensure_ascii=False)
+    except ValueError:
+        return data.decode("utf-8", "replace")
+
+
+def render(flow, data: bytes) -> str:
+    decision = flow.metadata.get(META, {})
+    lines = [f"decision: {decision.get('action', '?')} ({decision.get('reason', '')})"]
+    if decision.get("previous_response_id"):
+        lines.append(f"previous_response_id: {decision['previous_response_id']}")
+    lines.append(f"items: {decision.get('items_sent', '?')} sent of {decision.get('items_total', '?')}")
+    if decision.get("forced_store"):
+        lines.append("store: true forced by the addon")
+    if "outcome" in decision:
+        lines.append(f"answer: {decision['outcome']} ({decision.get('outcome_detail', '')})"
+                     + (f" -> {decision['response_id']}" if decision.get("response_id") else ""))
+    if decision.get("retried_after"):
+        lines.append(f"upstream answered {decision['retried_after']}; retried with the client's original body")
+    original = flow.metadata.get(CLIENT_BODY)
+    if original is None:
+        lines += ["", f"--- body (unchanged, {len(data)} bytes) ---", _pretty(data)]
+    else:
+        lines += ["", f"--- client sent ({len(original)} bytes) ---", _pretty(original),
+                  "", f"--- sent upstream ({len(data)} bytes) ---", _pretty(data)]
+    return "\n".join(lines)
+
+
+def _is_our_request(flow, message) -> bool:
+    return flow is not None and META in flow.metadata and message is getattr(flow, "request", None)
+
+
+if hasattr(contentviews, "Contentview"):  # mitmproxy >= 12
+
+    class StatefulView(contentviews.Contentview):
+        name = NAME
+        syntax_highlight = "yaml"
+
+        def prettify(self, data: bytes, metadata) -> str:
+            if metadata.flow is None or META not in metadata.flow.metadata:
+                raise ValueError("not a flow stateful-responses matched")
+            return render(metadata.flow, data)
+
+        def render_priority(self, data: bytes, metadata) -> float:
+            return 2 if _is_our_request(metadata.flow, metadata.http_message) else -1
+
+else:  # mitmproxy 11
+
+    class StatefulView(contentviews.View):  # type: ignore[no-redef]
+        name = NAME
+
+        def __call__(self, data: bytes, *, flow=None, **metadata):
+            if flow is None or META not in flow.metadata:
+                raise ValueError("not a flow stateful-responses matched")
+            return NAME, ([("text", line)] for line in render(flow, data).splitlines())
+
+        def render_priority(self, data: bytes, *, flow=None, http_message=None, **metadata) -> float:
+            return 2 if _is_our_request(flow, http_message) else 0
+
+
+def register() -> StatefulView:
+    """Register the view, replacing one left by an earlier load of the script
+    (mitmproxy 11 refuses a duplicate name)."""
+    existing = contentviews.get(NAME)
+    if existing is not None and not hasattr(contentviews, "Contentview"):
+        contentviews.remove(existing)
+    view = StatefulView()
+    contentviews.add(view)
+    return view
+
+
+def unregister(view: StatefulView) -> None:
+    contentviews.remove(view)  # a no-op on mitmproxy 12, whose registry replaces by name
