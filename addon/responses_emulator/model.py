@@ -169,6 +169,7 @@ class ResponsesModel:
             if f.stateless != "ignore":
                 chain = self._resolve(credential, previous)
         fault = f.take(continued=previous is not None and f.stateless != "ignore")
+        record["fault"] = fault.get("kind") if fault else None
         if fault and fault.get("kind") == "reject":
             raise APIError(fault.get("status", 400), fault.get("message", "Invalid `previous_response_id`."),
                            code=fault.get("code", "invalid_request_error"))
