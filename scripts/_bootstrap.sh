@@ -28,12 +28,21 @@ if [ ! -f "$STAMP" ]; then
     # mitmproxy 11 pins; pip reports the conflict and mitmdump 11 runs fine
     # with it (FACTS.md), whereas one joint resolution would backtrack the
     # clients we test to old releases. Then the project itself, without deps.
-    pip_install "$MITMPROXY" "blake3>=0.4"
-    TEST_DEPS="$("$VENV/bin/python" -c 'import tomllib,sys; print(" ".join(tomllib.load(open(sys.argv[1],"rb"))["project"]["optional-dependencies"]["test"]))' "$ROOT/pyproject.toml")"
+    deps() {  # dependencies listed in pyproject.toml: "runtime" (without mitmproxy) or "test"
+        "$VENV/bin/python" - "$ROOT/pyproject.toml" "$1" <<'PY'
+import sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+deps = project["dependencies"] if sys.argv[2] == "runtime" else project["optional-dependencies"]["test"]
+print(" ".join(d for d in deps if not d.startswith("mitmproxy")))
+PY
+    }
+    # shellcheck disable=SC2046
+    pip_install "$MITMPROXY" $(deps runtime)
+    TEST_DEPS="$(deps test)"
     # shellcheck disable=SC2086
     pip_install $TEST_DEPS
     pip_install --no-deps -e "$ROOT"
-    "$VENV/bin/python" -c "import mitmproxy, blake3, pytest, hypothesis, openai, agents, langchain_openai" \
+    "$VENV/bin/python" -c "import mitmproxy, blake3, msgspec, pytest, hypothesis, openai, agents, langchain_openai" \
         || { echo "installation into $VENV failed" >&2; exit 1; }
     rm -f "$VENV"/.installed-*
     touch "$STAMP"

@@ -239,3 +239,38 @@ def test_effective_context_always_equals_client_input(data, max_chains):
             conv.append({"role": "user", "content": f"turn {step}"})
         convs[c] = (key, conv)
         assert planner.store.branch_count <= max_chains
+
+
+def test_a_rewritten_body_is_spliced_from_the_clients_own_bytes():
+    planner, upstream = Planner(), ReferenceUpstream()
+    send(planner, upstream, "k", [{"role": "user", "content": "hi"}], assistant_output(1))
+    # odd spacing, unicode, escapes and a float: none of it may be re-serialized
+    new_item = b'{ "role" : "user",  "content" : "caf\\u00e9 \xc3\xa9 \\"q\\" 1.50" }'
+    echo_bytes = json.dumps(assistant_output(1)[0]).encode()
+    body = (b'{"model":"gpt-test", "temperature": 1.50, "input": [{"role": "user", "content": "hi"}, '
+            + echo_bytes + b", " + new_item + b'], "metadata": {"k": "v"}}')
+    plan = planner.plan(Request("POST", URL, {"authorization": "Bearer k"}, body))
+    assert plan.action == "continue"
+    assert b'"input":[' + new_item + b"]" in plan.body
+    assert b'"temperature":1.50' in plan.body and b'"metadata":{"k": "v"}' in plan.body
+    sent = json.loads(plan.body)
+    assert sent["previous_response_id"].startswith("resp_") and sent["store"] is True
+
+
+@pytest.mark.parametrize("body", [b'{"model":"m","input":"x"}', b'{"model":"m","input":"x"}  \n'])
+def test_a_forced_store_is_inserted_without_touching_the_rest(body):
+    plan = Planner().plan(Request("POST", URL, {}, body))
+    assert plan.body == body.rstrip()[:-1] + b',"store":true}' + body[len(body.rstrip()):]
+
+
+def test_a_clients_store_false_is_replaced_in_place_when_forcing():
+    plan = Planner().plan(Request("POST", URL, {}, b'{"model":"m","store":false,"input":"x"}'))
+    assert plan.body == b'{"model":"m","store":true,"input":"x"}'
+
+
+@pytest.mark.parametrize("body", [b"", b"[1]", b'"s"', b"{", b'{"model": 1, "input": []}',
+                                  b'{"model":"m","input":[1]}', b'{"model":"m","input":{}}',
+                                  b'{"model":"m","input":[]}', b'{"model":"m","input":[{"a":1}, {]}',
+                                  b'{"model":"m","input":"\xff"}', b'{"model":"m","input":[{"role":NaN}]}'])
+def test_malformed_bodies_pass(body):
+    assert Planner().plan(Request("POST", URL, {}, body)).action == "pass"

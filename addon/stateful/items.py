@@ -27,6 +27,7 @@ Anything else, including ``phase``, roles, text, reasoning items and their
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -105,3 +106,36 @@ def as_item_list(value: Any) -> list | None:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     return None
+
+
+class DigestCache:
+    """Item digests by the exact raw bytes the client sent.
+
+    An agent loop resends every earlier item byte for byte on every step, so
+    recognising those bytes (one dict lookup: hashing and comparing bytes runs
+    at memory speed) is far cheaper than parsing, normalizing and hashing them
+    again. Keyed by the bytes themselves, so a hit is exact, never probable.
+    Bounded by the total bytes it holds, least recently used first out.
+    """
+
+    def __init__(self, max_bytes: int = 64 * 1024 * 1024) -> None:
+        self.max_bytes = max_bytes
+        self._bytes = 0
+        self._entries: OrderedDict[bytes, bytes] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def digest(self, raw: bytes) -> bytes:
+        digest = self._entries.get(raw)
+        if digest is not None:
+            self._entries.move_to_end(raw)
+            return digest
+        digest = item_digest(json.loads(raw))
+        if len(raw) <= self.max_bytes // 4:
+            self._entries[raw] = digest
+            self._bytes += len(raw)
+            while self._bytes > self.max_bytes:
+                old, _ = self._entries.popitem(last=False)
+                self._bytes -= len(old)
+        return digest

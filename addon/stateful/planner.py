@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+import msgspec
 from blake3 import blake3
 
-from .items import as_item_list, item_digest, sequence_digests
+from .items import DigestCache, as_item_list, item_digest, sequence_digests
 from .settings import Settings
 from .store import PrefixStore
 
@@ -94,11 +95,41 @@ def upstream_of(url: str) -> str | None:
     return f"{parts.scheme}://{parts.netloc}{path[: -len('/responses')]}"
 
 
-def _dump(body: dict) -> bytes:
-    try:
-        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    except UnicodeEncodeError:  # lone surrogates survive only as escapes
-        return json.dumps(body, separators=(",", ":")).encode("ascii")
+# The body is split into raw spans without building its strings: the top-level
+# fields, then the input's items. Only small fields are decoded; items are
+# recognised by their bytes (items.DigestCache), and a rewritten body is
+# spliced from the client's own bytes.
+_TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
+
+
+def _field(body: dict[str, msgspec.Raw], name: str) -> Any:
+    raw = body.get(name)
+    return None if raw is None else msgspec.json.decode(raw)
+
+
+def _present(body: dict[str, msgspec.Raw], name: str) -> bool:
+    """Present and not null (a null field is an absent one to the API)."""
+    raw = body.get(name)
+    return raw is not None and bytes(raw) != b"null"
+
+
+def _splice(original: bytes, body: dict[str, msgspec.Raw], changes: dict[str, bytes]) -> bytes:
+    """The client's body with some top-level fields replaced or added; every
+    other byte of every value is the client's own."""
+    if "input" not in changes and not changes.keys() & body.keys():
+        # Only new fields (a forced store): insert them before the closing
+        # brace rather than copy the whole body field by field.
+        end = original.rindex(b"}")
+        extra = b",".join(json.dumps(k).encode() + b":" + v for k, v in changes.items())
+        view = memoryview(original)
+        return b"".join((view[:end], b"," if body else b"", extra, view[end:]))
+    parts = []
+    for key, raw in body.items():
+        value = changes.pop(key, None)
+        parts.append(json.dumps(key).encode() + b":" + (value if value is not None else bytes(raw)))
+    parts += [json.dumps(key).encode() + b":" + value for key, value in changes.items()]
+    return b"{" + b",".join(parts) + b"}"
 
 
 @dataclass
@@ -108,6 +139,7 @@ class Planner:
     counters: Counters = field(default_factory=Counters)
     unsupported: set[str] = field(default_factory=set)
     no_forced_store: set[str] = field(default_factory=set)
+    digests: DigestCache = field(default_factory=DigestCache, repr=False)
     _secret: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
 
     def __post_init__(self) -> None:
@@ -155,33 +187,35 @@ class Planner:
         if request.content_encoding not in ("", "identity"):
             return Plan("pass", "compressed request body", upstream)
         try:
-            body = json.loads(request.body)
-        except (ValueError, RecursionError):
-            return Plan("pass", "body is not JSON", upstream)
-        if not isinstance(body, dict):
+            body = _TOP.decode(request.body)
+        except (msgspec.DecodeError, RecursionError):
             return Plan("pass", "body is not a JSON object", upstream)
-        model = body.get("model")
+        try:
+            model = _field(body, "model")
+            client_store = _field(body, "store")
+        except msgspec.DecodeError:
+            return Plan("pass", "body holds invalid JSON", upstream)
         if not isinstance(model, str):
             return Plan("pass", "no string model", upstream)
         if not s.model_matches(model):
             return Plan("pass", "model not in stateful_models", upstream, model)
-        if body.get("previous_response_id") is not None:
+        if _present(body, "previous_response_id"):
             return Plan("pass", "client sent previous_response_id", upstream, model)
-        if body.get("conversation") is not None:
+        if _present(body, "conversation"):
             return Plan("pass", "client uses a conversation", upstream, model)
-        items = as_item_list(body.get("input"))
-        if items is None:
-            return Plan("pass", "input is not a list or string", upstream, model)
-        if not items or not all(isinstance(i, dict) for i in items):
-            return Plan("pass", "input has no items or non-object items", upstream, model)
-        client_store = body.get("store")
+        try:
+            raw_items, digests = self._items(body.get("input"))
+        except (msgspec.DecodeError, ValueError, RecursionError):
+            return Plan("pass", "input is not a list of items or a string", upstream, model)
+        if not digests:
+            return Plan("pass", "input has no items", upstream, model)
         if client_store is False and not s.force_store:
             return Plan("pass", "client sent store:false", upstream, model)
         if upstream in self.unsupported:
             return Plan("pass", "upstream does not store responses", upstream, model)
 
         root = self.namespace(upstream, model, request.headers)
-        prefixes = list(sequence_digests(root, map(item_digest, items)))
+        prefixes = list(sequence_digests(root, digests))
         force = (
             rewrite
             and s.force_store
@@ -195,8 +229,8 @@ class Planner:
             upstream,
             model,
             last_prefix=prefixes[-1],
-            items_total=len(items),
-            items_sent=len(items),
+            items_total=len(digests),
+            items_sent=len(digests),
             asked_store=asked_store,
             forced_store=force,
             client_bytes=len(request.body),
@@ -204,21 +238,34 @@ class Planner:
         if not asked_store:
             plan.reason = "full; the request does not ask to store"
         match = self.store.deepest(prefixes) if rewrite else None
+        changes: dict[str, bytes] = {}
         if match is not None:
-            body["previous_response_id"] = match.response_id
-            body["input"] = items[match.length :]
+            assert raw_items is not None  # a string input is one item and never extends anything
+            changes["input"] = b"[" + b",".join(raw_items[match.length :]) + b"]"
+            changes["previous_response_id"] = json.dumps(match.response_id).encode()
             plan.action = "continue"
             plan.reason = f"extends {match.response_id}"
             plan.previous_response_id = match.response_id
             plan.parent = match.digest
-            plan.items_sent = len(items) - match.length
+            plan.items_sent = len(digests) - match.length
         if force:
-            body["store"] = True
-        if match is not None or force:
-            plan.body = _dump(body)
+            changes["store"] = b"true"
+        if changes:
+            plan.body = _splice(request.body, body, changes)
         if rewrite:
             self._count(plan)
         return plan
+
+    def _items(self, raw_input: msgspec.Raw | None) -> tuple[list[bytes] | None, list[bytes]]:
+        """The input's raw item spans (None for a string input) and their digests."""
+        if raw_input is None:
+            raise ValueError("no input")
+        if bytes(memoryview(raw_input)[:1]) == b'"':  # a string is one user message (the API's rule)
+            return None, [item_digest(as_item_list(msgspec.json.decode(raw_input))[0])]
+        raw_items = [bytes(r) for r in _ITEMS.decode(raw_input)]
+        if not all(r[:1] == b"{" for r in raw_items):
+            raise ValueError("an item is not an object")
+        return raw_items, [self.digests.digest(r) for r in raw_items]
 
     def _count(self, plan: Plan) -> None:
         c = self.counters
