@@ -27,8 +27,7 @@ Anything else, including ``phase``, roles, text, reasoning items and their
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 from blake3 import blake3
@@ -86,16 +85,34 @@ def item_digest(item: Any) -> bytes:
     return blake3(canonical_json(normalize_item(item))).digest(ITEM_DIGEST_SIZE)
 
 
-def sequence_digests(root: bytes, digests: Iterable[bytes]) -> Iterator[bytes]:
-    """Rolling digests: the k-th value identifies the first k items under ``root``.
+class ItemSequence:
+    """Rolling digests of an item sequence under a namespace root.
 
-    One digest names a whole item sequence, so the prefix store keeps one small
-    entry per stored response instead of one per item.
+    ``digests[k - 1]`` names the first k items: blake3 over the root and the
+    fixed-size item digests, read off one incremental hasher. One digest names
+    a whole sequence, so the prefix store keeps one small entry per stored
+    response instead of one per item, and the state can be extended later by
+    the answer's output items.
     """
-    current = root
-    for d in digests:
-        current = blake3(current + d).digest(SEQUENCE_DIGEST_SIZE)
-        yield current
+
+    def __init__(self, root: bytes, digests: Iterable[bytes] = ()) -> None:
+        self._hasher = blake3(root)
+        self.digests: list[bytes] = []
+        self.extend(digests)
+
+    def extend(self, digests: Iterable[bytes]) -> None:
+        update, digest, out = self._hasher.update, self._hasher.digest, self.digests.append
+        for d in digests:
+            update(d)
+            out(digest(SEQUENCE_DIGEST_SIZE))
+
+    def extended(self, digests: Iterable[bytes]) -> ItemSequence:
+        """A copy with more items; this one is unchanged."""
+        other = ItemSequence.__new__(ItemSequence)
+        other._hasher = self._hasher.copy()
+        other.digests = list(self.digests)
+        other.extend(digests)
+        return other
 
 
 def as_item_list(value: Any) -> list | None:
@@ -115,27 +132,40 @@ class DigestCache:
     recognising those bytes (one dict lookup: hashing and comparing bytes runs
     at memory speed) is far cheaper than parsing, normalizing and hashing them
     again. Keyed by the bytes themselves, so a hit is exact, never probable.
-    Bounded by the total bytes it holds, least recently used first out.
+
+    Two generations bound it: when the current one holds half the byte budget
+    it becomes the old one and the previous old one is dropped; a hit in the
+    old generation moves the entry to the current one. Cheaper per hit than an
+    LRU, and what is still in use survives.
     """
 
     def __init__(self, max_bytes: int = 64 * 1024 * 1024) -> None:
         self.max_bytes = max_bytes
-        self._bytes = 0
-        self._entries: OrderedDict[bytes, bytes] = OrderedDict()
+        self._current: dict[bytes, bytes] = {}
+        self._old: dict[bytes, bytes] = {}
+        self._current_bytes = 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._current) + len(self._old)
 
-    def digest(self, raw: bytes) -> bytes:
-        digest = self._entries.get(raw)
-        if digest is not None:
-            self._entries.move_to_end(raw)
-            return digest
-        digest = item_digest(json.loads(raw))
+    def digests(self, raws: list[bytes]) -> list[bytes]:
+        """Digests of JSON object spans; ValueError if one is not an object."""
+        get = self._current.get
+        found = [get(r) for r in raws]
+        for i, d in enumerate(found):
+            if d is None:
+                found[i] = self._miss(raws[i])
+        return found
+
+    def _miss(self, raw: bytes) -> bytes:
+        digest = self._old.pop(raw, None)
+        if digest is None:
+            if raw[:1] != b"{":
+                raise ValueError("an item is not a JSON object")
+            digest = item_digest(json.loads(raw))
         if len(raw) <= self.max_bytes // 4:
-            self._entries[raw] = digest
-            self._bytes += len(raw)
-            while self._bytes > self.max_bytes:
-                old, _ = self._entries.popitem(last=False)
-                self._bytes -= len(old)
+            if self._current_bytes + len(raw) > self.max_bytes // 2:
+                self._old, self._current, self._current_bytes = self._current, {}, 0
+            self._current[raw] = digest
+            self._current_bytes += len(raw)
         return digest

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import msgspec
 from blake3 import blake3
 
-from .items import DigestCache, as_item_list, item_digest, sequence_digests
+from .items import DigestCache, ItemSequence, as_item_list, item_digest
 from .settings import Settings
 from .store import PrefixStore
 
@@ -48,7 +48,7 @@ class Plan:
     body: bytes | None = None  # the body to send upstream when it differs
     previous_response_id: str | None = None
     parent: bytes | None = None  # digest of the entry continued from
-    last_prefix: bytes | None = None  # digest of the client's whole input
+    sequence: ItemSequence | None = None  # rolling digests of the client's whole input
     items_total: int = 0
     items_sent: int = 0
     asked_store: bool = False  # the body sent upstream says store: true
@@ -215,7 +215,8 @@ class Planner:
             return Plan("pass", "upstream does not store responses", upstream, model)
 
         root = self.namespace(upstream, model, request.headers)
-        prefixes = list(sequence_digests(root, digests))
+        sequence = ItemSequence(root, digests)
+        prefixes = sequence.digests
         force = (
             rewrite
             and s.force_store
@@ -228,7 +229,7 @@ class Planner:
             "no stored prefix",
             upstream,
             model,
-            last_prefix=prefixes[-1],
+            sequence=sequence,
             items_total=len(digests),
             items_sent=len(digests),
             asked_store=asked_store,
@@ -263,9 +264,7 @@ class Planner:
         if bytes(memoryview(raw_input)[:1]) == b'"':  # a string is one user message (the API's rule)
             return None, [item_digest(as_item_list(msgspec.json.decode(raw_input))[0])]
         raw_items = [bytes(r) for r in _ITEMS.decode(raw_input)]
-        if not all(r[:1] == b"{" for r in raw_items):
-            raise ValueError("an item is not an object")
-        return raw_items, [self.digests.digest(r) for r in raw_items]
+        return raw_items, self.digests.digests(raw_items)
 
     def _count(self, plan: Plan) -> None:
         c = self.counters
@@ -313,10 +312,8 @@ class Planner:
         if not isinstance(output, list) or not all(isinstance(i, dict) for i in output):
             self._forget_parent(plan)
             return Outcome("dropped", "response output is not a list of items", rid)
-        assert plan.last_prefix is not None
-        digest = plan.last_prefix
-        for digest in sequence_digests(plan.last_prefix, map(item_digest, output)):
-            pass
+        assert plan.sequence is not None
+        digest = plan.sequence.extended(map(item_digest, output)).digests[-1]
         self.store.remember(digest, plan.items_total + len(output), rid, plan.parent, plan.upstream)
         return Outcome("advanced", f"stores {plan.items_total + len(output)} items", rid)
 
@@ -346,4 +343,4 @@ def plan_summary(plan: Plan) -> str:
     return f"passed: {plan.reason}"
 
 
-__all__: Sequence[str] = ["Planner", "Plan", "Request", "Outcome", "plan_summary", "upstream_of"]
+__all__ = ["Planner", "Plan", "Request", "Outcome", "plan_summary", "upstream_of"]

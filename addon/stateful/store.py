@@ -1,7 +1,7 @@
 """The prefix store: which item sequences an upstream has provably stored.
 
 Each stored response is one entry keyed by the rolling digest of its whole item
-sequence (its inputs followed by its output, see ``items.sequence_digests``).
+sequence (its inputs followed by its output, see ``items.ItemSequence``).
 A request is continued from the deepest entry whose sequence it strictly
 extends. Because the key is a digest of content, conversations that share a
 prefix share entries, interleaved conversations never disturb each other, and a
