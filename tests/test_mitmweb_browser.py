@@ -1,0 +1,79 @@
+"""mitmweb with the addon, looked at in headless Chromium: the flow list and the
+flow view show what the addon decided.
+
+Needs Debian's ``chromium`` (``.ci/run`` installs it) and Playwright's Python
+package driving that executable; no browser is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+from conftest import ADDON, Proxy, free_port, mitmdump_binary
+from driver import Conversation, user_turns
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+SCREENSHOT = os.environ.get("STATEFUL_SCREENSHOT")  # where to save a picture for the README
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
+TOKEN = "stateful-test-token"
+
+
+@pytest.fixture
+def mitmweb(emulator):
+    confdir = tempfile.mkdtemp(prefix="mitmweb-")
+    port, web_port = free_port(), free_port()
+    binary = str(Path(mitmdump_binary()).with_name("mitmweb"))
+    args = [binary, "--mode", f"reverse:{emulator.url}", "--listen-host", "127.0.0.1", "--listen-port", str(port),
+            "--web-host", "127.0.0.1", "--web-port", str(web_port), "--set", "web_open_browser=false",
+            "--set", f"confdir={confdir}", "-s", str(ADDON)]
+    for column in ("icon", "path", "method", "status", "size", "time", "comment"):
+        args += ["--set", f"web_columns={column}"]
+    if "web_password" in subprocess.run([binary, "--options"], capture_output=True, text=True).stdout:
+        args += ["--set", f"web_password={TOKEN}"]  # mitmweb 12 asks for a token
+    proxy = Proxy(args, port, confdir)
+    try:
+        proxy.wait_ready()
+        yield proxy, f"http://127.0.0.1:{web_port}/?token={TOKEN}"
+    finally:
+        proxy.stop()
+        shutil.rmtree(confdir, ignore_errors=True)
+
+
+def test_flow_list_and_view_show_the_decision(mitmweb):
+    playwright = pytest.importorskip("playwright.sync_api")
+    proxy, web_url = mitmweb
+    conv = Conversation(proxy.url)
+    for text in user_turns(4):
+        conv.turn(text)
+    conv.close()
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.goto(web_url)
+            rows = page.locator(".flow-table tbody tr.has-request")
+            page.wait_for_function(
+                "document.querySelectorAll('.flow-table tbody tr.has-request').length >= 5", timeout=20_000)
+            # the flow list: the addon's marks and comments tell continued from full
+            table = page.locator(".flow-table").inner_text()
+            assert "full: 1 items (no stored prefix)" in table
+            assert table.count("continued from resp_") == rows.count() - 1
+            assert table.count("♻") == rows.count() - 1 and "➡" in table
+            # open the last (continued) flow; the request body is shown by the addon's view
+            rows.nth(rows.count() - 1).click()
+            page.get_by_text("Stateful Responses").first.wait_for(timeout=20_000)
+            detail = page.locator(".flow-detail").inner_text()
+            assert "decision: continue" in detail
+            assert "--- client sent" in detail and "--- sent upstream" in detail
+            assert "previous_response_id: resp_" in detail
+            if SCREENSHOT:
+                page.screenshot(path=SCREENSHOT)
+        finally:
+            browser.close()
