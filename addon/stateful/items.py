@@ -139,7 +139,7 @@ class DigestCache:
     LRU, and what is still in use survives.
     """
 
-    def __init__(self, max_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(self, max_bytes: int = 32 * 1024 * 1024) -> None:
         self.max_bytes = max_bytes
         self._current: dict[bytes, bytes] = {}
         self._old: dict[bytes, bytes] = {}
