@@ -4,6 +4,7 @@ fails."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -16,6 +17,9 @@ import pytest
 from responses_emulator import Emulator
 
 ROOT = Path(__file__).resolve().parents[1]
+# Tests talk to 127.0.0.1 only; a proxy from the environment must not intercept that.
+for _var in ("NO_PROXY", "no_proxy"):
+    os.environ[_var] = "127.0.0.1,localhost"
 ADDON = ROOT / "addon" / "stateful_responses.py"
 
 
