@@ -274,3 +274,14 @@ def test_a_clients_store_false_is_replaced_in_place_when_forcing():
                                   b'{"model":"m","input":"\xff"}', b'{"model":"m","input":[{"role":NaN}]}'])
 def test_malformed_bodies_pass(body):
     assert Planner().plan(Request("POST", URL, {}, body)).action == "pass"
+
+
+def test_a_request_that_got_no_answer_forgets_the_branch_it_continued_from():
+    planner, upstream = Planner(), ReferenceUpstream()
+    conv = [{"role": "user", "content": "x"}]
+    _, response, _ = send(planner, upstream, "k", conv, assistant_output(1))
+    nxt = conv + response["output"] + [{"role": "user", "content": "y"}]
+    plan = planner.plan(request(nxt, "k"))
+    assert plan.action == "continue"
+    assert planner.abandon(plan, "connection reset").kind == "dropped"
+    assert planner.plan(request(nxt, "k")).action == "full"

@@ -227,8 +227,8 @@ class StatefulResponses:
         if pending is None:
             return
         try:
-            outcome = self.planner.settle(pending.plan, 599, None)
-            self._debug("dropped: %s (%s)", outcome.detail, flow.error)
+            outcome = self.planner.abandon(pending.plan, "no answer from the upstream")
+            self._debug("dropped: %s", outcome.detail)
             flow.metadata[META] = _metadata(pending.plan, outcome)
         except Exception:
             self._internal_error("handling a failed flow")

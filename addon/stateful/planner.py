@@ -317,6 +317,12 @@ class Planner:
         self.store.remember(digest, plan.items_total + len(output), rid, plan.parent, plan.upstream)
         return Outcome("advanced", f"stores {plan.items_total + len(output)} items", rid)
 
+    def abandon(self, plan: Plan, why: str) -> Outcome:
+        """The request failed before any answer (reset, refused, timeout): the
+        branch it continued from is forgotten, so a retry is planned afresh."""
+        self._forget_parent(plan)
+        return Outcome("dropped", why)
+
     def _forget_parent(self, plan: Plan) -> None:
         if plan.parent is not None:
             self.store.forget(plan.parent)
