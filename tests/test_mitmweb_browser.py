@@ -59,8 +59,8 @@ def test_flow_list_and_view_show_the_decision(mitmweb):
             page = browser.new_page(viewport={"width": 1400, "height": 900})
             page.goto(web_url)
             rows = page.locator(".flow-table tbody tr.has-request")
-            page.wait_for_function(
-                "document.querySelectorAll('.flow-table tbody tr.has-request').length >= 5", timeout=20_000)
+            # locator waits, not wait_for_function: mitmweb's CSP forbids the eval that needs
+            rows.nth(len(conv.sent) - 1).wait_for(timeout=20_000)
             # the flow list: the addon's marks and comments tell continued from full
             table = page.locator(".flow-table").inner_text()
             assert "full: 1 items (no stored prefix)" in table
