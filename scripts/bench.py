@@ -117,29 +117,27 @@ def limit_bytes(new: list, first: bool) -> int:
 def bench_bytes(quick: bool) -> list[str]:
     rows = ["| conversation | requests | full replay | through the addon | delta-only limit | addon / full | addon / limit |",
             "|---|---|---|---|---|---|---|"]
-    cases = [("10 turns", 10, 1), ("50 turns", 50, 1), ("200 turns", 50 if quick else 200, 1),
-             ("8 interleaved × 25 turns", 10 if quick else 25, 8)]
-    for name, turns, parallel in cases:
+    cases = [(10, 1), (50, 1), (50 if quick else 200, 1), (10 if quick else 25, 8)]
+    for turns, parallel in cases:
+        name = f"{parallel} interleaved × {turns} turns" if parallel > 1 else f"{turns} turns"
         with Emulator() as emu:
             proxy = Mitmdump(emu.url, addon=True)
             full = limit = requests = 0
             try:
                 with httpx.Client(trust_env=False, timeout=60) as http:
-                    convs = [converse(http, proxy.url, turns, f"user{u}") for u in range(parallel)]
-                    firsts = [True] * parallel
-                    while convs:
-                        for i, conv in list(enumerate(convs)):
+                    # round-robin, one request of each conversation at a time
+                    active = [(converse(http, proxy.url, turns, f"user{u}"), [True]) for u in range(parallel)]
+                    while active:
+                        for conv, first in list(active):
                             try:
                                 size, new = next(conv)
                             except StopIteration:
-                                convs[i] = None
+                                active.remove((conv, first))
                                 continue
                             full += size
-                            limit += limit_bytes(new, firsts[i])
-                            firsts[i] = False
+                            limit += limit_bytes(new, first[0])
+                            first[0] = False
                             requests += 1
-                        convs = [c for c in convs if c is not None]
-                        firsts = firsts[: len(convs)] if len(firsts) > len(convs) else firsts
             finally:
                 proxy.stop()
             upstream = sum(r["body_bytes"] for r in emu.model.snapshot_log())
@@ -198,38 +196,32 @@ def synthetic_items(size: int, count: int) -> list:
     return items
 
 
+def plan_case(size: int, count: int, rounds: int) -> str:
+    """One body size: json.loads vs an agent-loop step vs a cold planner."""
+    items = synthetic_items(size, count)
+    prev = {"model": "gpt-bench", "input": items[:-2], "tools": TOOLS, "instructions": INSTRUCTIONS}
+    body = json.dumps({**prev, "input": items}).encode()
+    url = "https://api.example.test/v1/responses"
+    # a planner that saw the previous step and its answer: the agent-loop case
+    warm = Planner()
+    plan = warm.plan(Request("POST", url, AUTH, json.dumps(prev).encode()))
+    warm.settle(plan, 200, {"id": "resp_prev", "status": "completed", "store": True, "output": items[-2:-1]})
+    request = Request("POST", url, AUTH, body)
+    assert warm.plan(request).action == "continue"
+    med = timed_runs({
+        "loads": lambda: json.loads(body),
+        "loop": lambda: warm.plan(request),
+        "cold": lambda: Planner().plan(request),
+    }, rounds)
+    return (f"| {len(body) / 1e6:.1f} MB | {count} | {med['loads'] * 1000:.2f} ms | {med['loop'] * 1000:.2f} ms | "
+            f"{med['loop'] / med['loads']:.2f} | {med['cold'] * 1000:.2f} ms | {med['cold'] / med['loads']:.2f} |")
+
+
 def bench_plan(quick: bool) -> list[str]:
     rows = ["| body | items | json.loads | plan, agent loop (earlier items seen) | ratio (target ≤ 1.5) | plan, cold | ratio |",
             "|---|---|---|---|---|---|---|"]
     for size, count in [(100_000, 50), (1_000_000, 400), (5_000_000, 2000)]:
-        items = synthetic_items(size, count)
-        prev = {"model": "gpt-bench", "input": items[:-2], "tools": TOOLS, "instructions": INSTRUCTIONS}
-        body = json.dumps({**prev, "input": items}).encode()
-        url = "https://api.example.test/v1/responses"
-
-        def warm_planner() -> tuple[Planner, Request]:
-            planner = Planner()
-            plan = planner.plan(Request("POST", url, AUTH, json.dumps(prev).encode()))
-            planner.settle(plan, 200, {"id": "resp_prev", "status": "completed", "store": True, "output": items[-2:-1]})
-            return planner, Request("POST", url, AUTH, body)
-
-        warm, request = warm_planner()
-        assert warm.plan(request).action == "continue"
-
-        def cold():
-            Planner().plan(request)
-
-        def loop_step():
-            # what each agent-loop step costs: the earlier items were seen in the previous request
-            warm.plan(request)
-
-        def loads():
-            json.loads(body)
-
-        rounds = 5 if quick else 25
-        med = timed_runs({"loads": loads, "loop": loop_step, "cold": cold}, rounds)
-        rows.append(f"| {len(body) / 1e6:.1f} MB | {count} | {med['loads'] * 1000:.2f} ms | {med['loop'] * 1000:.2f} ms | "
-                    f"{med['loop'] / med['loads']:.2f} | {med['cold'] * 1000:.2f} ms | {med['cold'] / med['loads']:.2f} |")
+        rows.append(plan_case(size, count, 5 if quick else 25))
     return rows
 
 

@@ -86,7 +86,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     totals = [0, 0]
-    for i, (sent, seen, decision) in enumerate(zip(conv.sent, upstream, decisions)):
+    for i, (sent, seen, decision) in enumerate(zip(conv.sent, upstream, decisions, strict=True)):
         turn, streamed = turn_of_request[i]
         action = decision.get("action", "?")
         why = decision.get("reason", "")

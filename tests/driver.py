@@ -146,7 +146,7 @@ def assert_context_preserved(sent: list[Sent], log: list[dict], reshaped: bool =
     upstream = [r for r in log if "context" in r]
     assert len(upstream) == len(sent), (len(upstream), len(sent))
     same = meaning if reshaped else drop_nulls
-    for n, (client, seen) in enumerate(zip(sent, upstream)):
+    for n, (client, seen) in enumerate(zip(sent, upstream, strict=True)):
         expected = same(expand_input(client.body["input"]))
         assert same(seen["context"]) == expected, f"request {n}: upstream context differs from the client's input"
 

@@ -82,7 +82,7 @@ def test_stateless_upstream_is_marked_once_and_left_alone(proxy, emulator, mode)
     assert_context_preserved(conv.sent, records)
     assert proxy.output().count("sending full history to it from now on") == 1
     # after the first answer, requests pass untouched, byte for byte
-    for sent, seen in zip(conv.sent[1:], records[1:]):
+    for sent, seen in zip(conv.sent[1:], records[1:], strict=True):
         assert seen["body_bytes"] == sent.size
 
 

@@ -25,7 +25,7 @@ def test_long_tool_conversation_continues_every_request(proxy, emulator, stream,
     assert log[0]["continued"] is False
     assert all(r["continued"] for r in log[1:]), [r["continued"] for r in log]
     # each continued request carried only the new items
-    for client, seen in zip(conv.sent[1:], log[1:]):
+    for client, seen in zip(conv.sent[1:], log[1:], strict=True):
         assert seen["input_items"] < len(client.body["input"])
     upstream_bytes = sum(r["body_bytes"] for r in log)
     client_bytes = sum(s.size for s in conv.sent)

@@ -163,7 +163,7 @@ def test_store_false_is_respected_without_force_store():
 
 
 def test_no_continuation_without_a_stored_parent():
-    planner, upstream = Planner(), ReferenceUpstream()
+    planner = Planner()
     conv = [{"role": "user", "content": "x"}]
     req = request(conv)
     plan = planner.plan(req)

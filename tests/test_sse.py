@@ -23,7 +23,7 @@ def stream_bytes(newline: str = "\n") -> bytes:
     out = []
     for event in sse_events(json.loads(json.dumps(RESPONSE))):
         out.append(f"event: {event['type']}{newline}data: {json.dumps(event)}{newline}{newline}")
-    return ": keep-alive comment\n\n".encode() + "".join(out).encode()
+    return b": keep-alive comment\n\n" + "".join(out).encode()
 
 
 def read(data: bytes, chunks: list[int], content_type="text/event-stream", encoding="") -> dict | None:
