@@ -172,3 +172,31 @@ async def test_mitmweb_view_shows_the_decision_and_both_bodies():
         assert f2.marked == ":recycle:" and f.marked == ":arrow_right:"
         other = tflow.tflow()
         assert rendered(other)[0] != "Stateful Responses"
+
+
+@pytest.mark.parametrize("kind", ["sse", "json"])
+async def test_the_store_learns_before_the_last_bytes_reach_the_client(kind):
+    """A fast agent's next request can arrive before the response hook runs;
+    it must already find this answer stored."""
+    from responses_emulator import sse_events
+
+    addon = StatefulResponses()
+    with taddons.context(addon):
+        answer = {"id": "resp_1", "status": "completed", "store": True, "output": UPSTREAM_OUTPUT}
+        f = responses_flow({"model": "m", "input": "hello"}, answer)
+        if kind == "sse":
+            f.response.headers["content-type"] = "text/event-stream"
+            data = "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in sse_events(answer)).encode()
+        else:
+            data = json.dumps(answer).encode()
+            f.response.headers["content-length"] = str(len(data))
+        addon.request(f)
+        addon.responseheaders(f)
+        assert f.response.stream(data) == data  # the last bytes, on their way to the client
+        nxt = responses_flow({"model": "m", "input": [{"role": "user", "content": "hello"}] + UPSTREAM_OUTPUT
+                              + [{"role": "user", "content": "next"}]})
+        addon.request(nxt)  # before f's stream ended and before its response hook
+        assert nxt.metadata[META]["action"] == "continue"
+        f.response.stream(b"")
+        await addon.response(f)
+        assert f.metadata[META]["outcome"] == "advanced"

@@ -38,6 +38,7 @@ class _Pending:
     plan: Plan
     original: http.Request | None  # the client's request, when we changed it
     reader: AnswerReader | None = None
+    outcome: Outcome | None = None  # once the answer has been learned from
 
 
 def _metadata(plan: Plan, outcome: Outcome | None = None) -> dict:
@@ -193,15 +194,21 @@ class StatefulResponses:
                 return  # buffered: the whole answer is handed to the client's flow
             if 400 <= status < 500 and pending.plan.changed:
                 return  # buffered: the response hook retries before the client sees it
+            length = flow.response.headers.get("content-length", "")
             reader = AnswerReader(
                 flow.response.headers.get("content-type", ""),
                 flow.response.headers.get("content-encoding", ""),
+                int(length) if length.isdigit() else None,
             )
             pending.reader = reader
             downstream = flow.response.stream
 
             def tap(chunk: bytes) -> bytes:
                 reader.feed(chunk)  # never raises
+                if reader.complete and pending.outcome is None:
+                    # Learn before these last bytes reach the client: a fast
+                    # agent's next request must find this answer stored.
+                    self._settle_safely(flow, pending)
                 if callable(downstream):
                     return downstream(chunk)
                 return chunk
@@ -214,18 +221,14 @@ class StatefulResponses:
         pending = self._pending.pop(flow.id, None)
         if pending is None or flow.response is None:
             return
-        try:
-            outcome = self._settle(flow, pending)
-        except Exception:
-            self._internal_error("reading an answer")
-            return
-        if outcome.kind == "retry" and flow.metadata.get(RETRY_OF) is None:
+        outcome = pending.outcome or self._settle_safely(flow, pending)
+        if outcome is not None and outcome.kind == "retry" and flow.metadata.get(RETRY_OF) is None:
             await self._retry(flow, pending)
 
     def error(self, flow: http.HTTPFlow) -> None:
         pending = self._pending.pop(flow.id, None)
-        if pending is None:
-            return
+        if pending is None or pending.outcome is not None:
+            return  # nothing planned, or the answer was complete before the failure
         try:
             outcome = self.planner.abandon(pending.plan, "no answer from the upstream")
             self._debug("dropped: %s", outcome.detail)
@@ -252,6 +255,15 @@ class StatefulResponses:
         logger.info("stateful-responses: forgot every branch")
 
     # -- internals -----------------------------------------------------------
+
+    def _settle_safely(self, flow: http.HTTPFlow, pending: _Pending) -> Outcome | None:
+        try:
+            pending.outcome = self._settle(flow, pending)
+        except Exception:
+            pending.outcome = Outcome("dropped", "internal error")
+            self._internal_error("reading an answer")
+            return None
+        return pending.outcome
 
     def _settle(self, flow: http.HTTPFlow, pending: _Pending) -> Outcome:
         assert flow.response is not None

@@ -27,6 +27,10 @@ RESPONSE_EVENTS = frozenset(
     }
 )
 INTERESTING_EVENTS = RESPONSE_EVENTS | {"response.output_item.done", "error"}
+# After one of these the answer is final (the stream may still close after it).
+TERMINAL_EVENTS = frozenset(
+    {"response.completed", "response.failed", "response.incomplete", "response.cancelled", "error"}
+)
 MAX_BUFFER = 64 * 1024 * 1024
 
 
@@ -146,8 +150,11 @@ class SSEParser:
 class AnswerReader:
     """Finds the response object of one answer, JSON or SSE, chunk by chunk."""
 
-    def __init__(self, content_type: str, content_encoding: str) -> None:
+    def __init__(self, content_type: str, content_encoding: str, content_length: int | None = None) -> None:
         self.is_sse = content_type.split(";")[0].strip().lower() == "text/event-stream"
+        self.content_length = content_length
+        self.received = 0  # raw bytes seen
+        self.terminal = False  # an SSE terminal event arrived
         self.response: dict | None = None
         self.error: dict | None = None
         self.failed_reason: str | None = None
@@ -161,6 +168,7 @@ class AnswerReader:
 
     def feed(self, chunk: bytes) -> None:
         """Look at one raw chunk. Never raises."""
+        self.received += len(chunk)
         if self._decoder is None:
             return
         try:
@@ -174,6 +182,16 @@ class AnswerReader:
                     raise Unreadable("JSON answer too large to read")
         except Exception as e:  # noqa: BLE001 - a reader must never break the stream
             self._give_up(f"{type(e).__name__}: {e}")
+
+    @property
+    def complete(self) -> bool:
+        """The answer is final before its stream has closed: an SSE terminal
+        event was read, or a JSON body's last Content-Length byte arrived."""
+        if self._decoder is None:
+            return False
+        if self.is_sse:
+            return self.terminal
+        return self.content_length is not None and self.received >= self.content_length
 
     def finish(self) -> dict | None:
         """The response object, once the answer has ended; None if unreadable."""
@@ -209,6 +227,7 @@ class AnswerReader:
         if not isinstance(data, dict):
             return
         kind = data.get("type", event)
+        self.terminal = self.terminal or kind in TERMINAL_EVENTS
         if kind in RESPONSE_EVENTS and isinstance(data.get("response"), dict):
             self.response = data["response"]
         elif kind == "response.output_item.done" and isinstance(data.get("item"), dict):
