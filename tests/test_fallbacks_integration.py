@@ -232,3 +232,18 @@ def test_gzip_answers_are_read_and_delivered_unchanged(proxy, emulator):
     records = log(emulator)
     assert [r["continued"] for r in records[:4]] == [False, True, True, True]
     assert "internal error" not in proxy.output()
+
+
+def test_a_refusal_the_original_also_gets_is_the_clients_own_and_changes_nothing(proxy, emulator):
+    emulator.model.control({"fail_next": [{"kind": "reject", "message": "Invalid value for 'temperature'."},
+                                          {"kind": "reject", "message": "Invalid value for 'temperature'."}]})
+    import openai
+
+    conv = Conversation(proxy.url)
+    with pytest.raises(openai.BadRequestError):  # the upstream's own answer to the client's own request
+        conv.turn("a request the upstream refuses whatever we do")
+    assert [r["status_code"] for r in log(emulator)] == [400, 400]  # ours, then the original
+    conv = Conversation(proxy.url)
+    conv.turn("a good request")
+    forced = log(emulator)[-1]
+    assert forced["body_bytes"] == conv.sent[-1].size + len(',"store":true')  # still forcing store

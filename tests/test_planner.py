@@ -79,6 +79,7 @@ def send(planner: Planner, upstream: ReferenceUpstream, key: str, items: list, o
     if outcome.kind == "retry":  # what the glue does: the original body, once
         retry = planner.plan(req, rewrite=False)
         status, response, context = upstream.answer(key, json.loads(req.body), output)
+        planner.retried(plan, status)
         planner.settle(retry, status, response)
     assert status == 200
     return plan, response, context
@@ -285,3 +286,26 @@ def test_a_request_that_got_no_answer_forgets_the_branch_it_continued_from():
     assert plan.action == "continue"
     assert planner.abandon(plan, "connection reset").kind == "dropped"
     assert planner.plan(request(nxt, "k")).action == "full"
+
+
+def test_an_upstream_that_does_not_store_is_marked_per_credential():
+    planner = Planner()
+    conv = [{"role": "user", "content": "x"}]
+    plan = planner.plan(request(conv, "zdr-tenant"))
+    planner.settle(plan, 200, {"id": "resp_1", "status": "completed", "store": False, "output": assistant_output(1)})
+    assert planner.plan(request(conv, "zdr-tenant")).action == "pass"
+    assert planner.plan(request(conv, "other-tenant")).action == "full"  # not switched off for everyone
+
+
+def test_a_forced_store_counts_as_refused_only_when_the_original_then_went_through():
+    planner = Planner()
+    conv = [{"role": "user", "content": "x"}]
+    plan = planner.plan(request(conv))
+    assert planner.settle(plan, 400, None).kind == "retry"
+    planner.retried(plan, 400)  # the original failed too: the client's own error
+    assert planner.plan(request(conv)).forced_store
+    plan = planner.plan(request(conv))
+    planner.settle(plan, 400, None)
+    planner.retried(plan, 200)  # the original went through: the forced store was refused
+    assert not planner.plan(request(conv)).forced_store
+    assert planner.plan(request(conv, "other-tenant")).forced_store

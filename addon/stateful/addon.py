@@ -283,7 +283,7 @@ class StatefulResponses:
             logger.info(
                 "stateful-responses: %s does not store responses (%s); "
                 "sending full history to it from now on",
-                pending.plan.upstream,
+                pending.plan.scope,
                 outcome.detail,
             )
         elif outcome.kind != "retry":
@@ -312,6 +312,7 @@ class StatefulResponses:
             self._internal_error("retrying a rejected request")
             return
         if child.response is not None:
+            self.planner.retried(pending.plan, child.response.status_code)
             flow.response = child.response
             counters.fallbacks += 1
             flow.comment = f"{plan_summary(pending.plan)}; upstream answered {rejected}, retried with the original body"

@@ -45,6 +45,7 @@ class Plan:
     reason: str
     upstream: str = ""
     model: str = ""
+    scope: str = ""  # upstream + credential tag: what "unsupported" marks apply to
     body: bytes | None = None  # the body to send upstream when it differs
     previous_response_id: str | None = None
     parent: bytes | None = None  # digest of the entry continued from
@@ -169,6 +170,17 @@ class Planner:
             h.update(b"\x00")
         return h.digest()
 
+    def scope(self, upstream: str, headers: Mapping[str, str]) -> str:
+        """Where "does not store" and "refuses a forced store" apply: one
+        upstream as seen by one credential. Zero data retention is decided per
+        organization, so one such tenant must not switch the addon off for
+        every other tenant of the same upstream. The tag is a keyed hash: it
+        names a credential in logs without revealing it."""
+        h = blake3(key=self._secret)
+        for name in CREDENTIAL_HEADERS:
+            h.update(headers.get(name, "").encode("utf-8", "surrogatepass") + b"\x00")
+        return f"{upstream} (credential #{h.hexdigest(4)})"
+
     def plan(self, request: Request, *, rewrite: bool = True) -> Plan:
         """Decide what to send. With ``rewrite=False`` (our own retry of a
         client's original body) nothing is changed, only tracked."""
@@ -211,8 +223,9 @@ class Planner:
             return Plan("pass", "input has no items", upstream, model)
         if client_store is False and not s.force_store:
             return Plan("pass", "client sent store:false", upstream, model)
-        if upstream in self.unsupported:
-            return Plan("pass", "upstream does not store responses", upstream, model)
+        scope = self.scope(upstream, request.headers)
+        if scope in self.unsupported:
+            return Plan("pass", "upstream does not store responses", upstream, model, scope)
 
         root = self.namespace(upstream, model, request.headers)
         sequence = ItemSequence(root, digests)
@@ -221,7 +234,7 @@ class Planner:
             rewrite
             and s.force_store
             and client_store is not True
-            and upstream not in self.no_forced_store
+            and scope not in self.no_forced_store
         )
         asked_store = client_store is True or force
         plan = Plan(
@@ -229,6 +242,7 @@ class Planner:
             "no stored prefix",
             upstream,
             model,
+            scope,
             sequence=sequence,
             items_total=len(digests),
             items_sent=len(digests),
@@ -285,8 +299,6 @@ class Planner:
         if status_code >= 400:
             self._forget_parent(plan)
             if 400 <= status_code < 500 and plan.changed:
-                if plan.action == "full":  # only our forced store was refused
-                    self.no_forced_store.add(plan.upstream)
                 return Outcome("retry", f"upstream answered {status_code} to a changed request")
             return Outcome("dropped", f"upstream answered {status_code}")
         if not isinstance(response, dict):
@@ -295,7 +307,7 @@ class Planner:
         rid = response.get("id")
         status = response.get("status")
         if plan.action == "continue" and response.get("previous_response_id", plan.previous_response_id) != plan.previous_response_id:
-            self._mark_unsupported(plan.upstream)
+            self._mark_unsupported(plan.scope)
             return Outcome("unsupported", "upstream ignored previous_response_id", rid)
         if status != "completed" or not isinstance(rid, str) or not rid:
             self._forget_parent(plan)
@@ -305,7 +317,7 @@ class Planner:
             stored = plan.asked_store
         if not stored:
             if plan.asked_store:
-                self._mark_unsupported(plan.upstream)
+                self._mark_unsupported(plan.scope)
                 return Outcome("unsupported", "upstream did not store a response it was asked to", rid)
             return Outcome("ignored", "response not stored", rid)
         output = response.get("output")
@@ -314,7 +326,7 @@ class Planner:
             return Outcome("dropped", "response output is not a list of items", rid)
         assert plan.sequence is not None
         digest = plan.sequence.extended(map(item_digest, output)).digests[-1]
-        self.store.remember(digest, plan.items_total + len(output), rid, plan.parent, plan.upstream)
+        self.store.remember(digest, plan.items_total + len(output), rid, plan.parent, plan.scope)
         return Outcome("advanced", f"stores {plan.items_total + len(output)} items", rid)
 
     def abandon(self, plan: Plan, why: str) -> Outcome:
@@ -327,11 +339,20 @@ class Planner:
         if plan.parent is not None:
             self.store.forget(plan.parent)
 
-    def _mark_unsupported(self, upstream: str) -> None:
-        if upstream not in self.unsupported:
-            self.unsupported.add(upstream)
+    def retried(self, plan: Plan, status_code: int) -> None:
+        """Our retry with the client's original body got ``status_code``. If
+        the only change had been a forced store and the original went through,
+        the forced store was what the upstream refused (a zero-data-retention
+        organization): never force it there again. If the original failed too,
+        the refusal was the request's own and proves nothing."""
+        if plan.action == "full" and plan.forced_store and status_code < 400:
+            self.no_forced_store.add(plan.scope)
+
+    def _mark_unsupported(self, scope: str) -> None:
+        if scope not in self.unsupported:
+            self.unsupported.add(scope)
             self.counters.unsupported_upstreams += 1
-        self.store.forget_scope(upstream)
+        self.store.forget_scope(scope)
 
     def clear(self) -> None:
         self.store.clear()
