@@ -309,3 +309,16 @@ def test_a_forced_store_counts_as_refused_only_when_the_original_then_went_throu
     planner.retried(plan, 200)  # the original went through: the forced store was refused
     assert not planner.plan(request(conv)).forced_store
     assert planner.plan(request(conv, "other-tenant")).forced_store
+
+
+def test_a_key_in_the_query_string_or_a_proxy_credential_separates_tenants():
+    planner, upstream = Planner(), ReferenceUpstream()
+    conv = [{"role": "user", "content": "shared words"}]
+    _, response, _ = send(planner, upstream, "k", conv, assistant_output(1))
+    later = conv + response["output"] + [{"role": "user", "content": "next"}]
+    base = request(later, "k")
+    assert planner.plan(base).action == "continue"
+    other_query = Request(base.method, URL + "?key=tenant-b", base.headers, base.body)
+    assert planner.plan(other_query).action == "full"
+    other_proxy_user = Request(base.method, URL, {**base.headers, "proxy-authorization": "Basic Yjpi"}, base.body)
+    assert planner.plan(other_proxy_user).action == "full"

@@ -26,8 +26,17 @@ from .store import PrefixStore
 Action = Literal["pass", "full", "continue"]
 
 # Headers that identify whose stored responses a request can reach. Upstreams
-# scope stored responses by credential (and organization / project).
-CREDENTIAL_HEADERS = ("authorization", "api-key", "x-api-key", "openai-organization", "openai-project")
+# scope stored responses by credential (and organization / project); a proxy
+# credential tells users of one shared proxy apart. The URL's query string is
+# credential material too (some gateways take keys there).
+CREDENTIAL_HEADERS = (
+    "authorization",
+    "api-key",
+    "x-api-key",
+    "openai-organization",
+    "openai-project",
+    "proxy-authorization",
+)
 
 
 @dataclass(frozen=True)
@@ -151,7 +160,7 @@ class Planner:
             self.store = PrefixStore(settings.max_chains)
         self.settings = settings
 
-    def namespace(self, upstream: str, model: str, headers: Mapping[str, str]) -> bytes:
+    def namespace(self, upstream: str, model: str, headers: Mapping[str, str], query: str = "") -> bytes:
         """The root digest that every stored sequence of one namespace hangs from.
 
         A namespace is upstream + model + credential. It deliberately leaves out
@@ -165,21 +174,23 @@ class Planner:
         secret: it is never stored, and the digest cannot be tested offline.
         """
         h = blake3(key=self._secret)
-        for part in (upstream, model, *(headers.get(n, "") for n in CREDENTIAL_HEADERS)):
-            h.update(part.encode("utf-8", "surrogatepass"))
-            h.update(b"\x00")
+        h.update(f"{upstream}\x00{model}\x00".encode("utf-8", "surrogatepass"))
+        h.update(self._credential(headers, query))
         return h.digest()
 
-    def scope(self, upstream: str, headers: Mapping[str, str]) -> str:
+    @staticmethod
+    def _credential(headers: Mapping[str, str], query: str) -> bytes:
+        parts = [headers.get(n, "") for n in CREDENTIAL_HEADERS] + [query]
+        return "\x00".join(parts).encode("utf-8", "surrogatepass")
+
+    def scope(self, upstream: str, headers: Mapping[str, str], query: str = "") -> str:
         """Where "does not store" and "refuses a forced store" apply: one
         upstream as seen by one credential. Zero data retention is decided per
         organization, so one such tenant must not switch the addon off for
         every other tenant of the same upstream. The tag is a keyed hash: it
         names a credential in logs without revealing it."""
-        h = blake3(key=self._secret)
-        for name in CREDENTIAL_HEADERS:
-            h.update(headers.get(name, "").encode("utf-8", "surrogatepass") + b"\x00")
-        return f"{upstream} (credential #{h.hexdigest(4)})"
+        tag = blake3(self._credential(headers, query), key=self._secret).hexdigest(4)
+        return f"{upstream} (credential #{tag})"
 
     def plan(self, request: Request, *, rewrite: bool = True) -> Plan:
         """Decide what to send. With ``rewrite=False`` (our own retry of a
@@ -223,11 +234,12 @@ class Planner:
             return Plan("pass", "input has no items", upstream, model)
         if client_store is False and not s.force_store:
             return Plan("pass", "client sent store:false", upstream, model)
-        scope = self.scope(upstream, request.headers)
+        query = urlsplit(request.url).query
+        scope = self.scope(upstream, request.headers, query)
         if scope in self.unsupported:
             return Plan("pass", "upstream does not store responses", upstream, model, scope)
 
-        root = self.namespace(upstream, model, request.headers)
+        root = self.namespace(upstream, model, request.headers, query)
         sequence = ItemSequence(root, digests)
         prefixes = sequence.digests
         force = (
