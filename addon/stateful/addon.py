@@ -57,6 +57,15 @@ def _metadata(plan: Plan, outcome: Outcome | None = None) -> dict:
     return data
 
 
+def _reader_for(response: http.Response) -> AnswerReader:
+    length = response.headers.get("content-length", "")
+    return AnswerReader(
+        response.headers.get("content-type", ""),
+        response.headers.get("content-encoding", ""),
+        int(length) if length.isdigit() else None,
+    )
+
+
 class StatefulResponses:
     def __init__(self) -> None:
         self.planner = Planner()
@@ -194,21 +203,16 @@ class StatefulResponses:
                 return  # buffered: the whole answer is handed to the client's flow
             if 400 <= status < 500 and pending.plan.changed:
                 return  # buffered: the response hook retries before the client sees it
-            length = flow.response.headers.get("content-length", "")
-            reader = AnswerReader(
-                flow.response.headers.get("content-type", ""),
-                flow.response.headers.get("content-encoding", ""),
-                int(length) if length.isdigit() else None,
-            )
-            pending.reader = reader
+            reader = pending.reader = _reader_for(flow.response)
             downstream = flow.response.stream
 
             def tap(chunk: bytes) -> bytes:
-                reader.feed(chunk)  # never raises
-                if reader.complete and pending.outcome is None:
-                    # Learn before these last bytes reach the client: a fast
-                    # agent's next request must find this answer stored.
-                    self._settle_safely(flow, pending)
+                if pending.outcome is None:  # once learned from, bytes only pass
+                    reader.feed(chunk)  # never raises
+                    if reader.complete:
+                        # Learn before these last bytes reach the client: a fast
+                        # agent's next request must find this answer stored.
+                        self._settle_safely(flow, pending)
                 if callable(downstream):
                     return downstream(chunk)
                 return chunk
@@ -269,10 +273,7 @@ class StatefulResponses:
         assert flow.response is not None
         reader = pending.reader
         if reader is None:  # buffered answer
-            reader = AnswerReader(
-                flow.response.headers.get("content-type", ""),
-                flow.response.headers.get("content-encoding", ""),
-            )
+            reader = _reader_for(flow.response)
             reader.feed(flow.response.raw_content or b"")
         response = reader.finish()
         outcome = self.planner.settle(pending.plan, flow.response.status_code, response)

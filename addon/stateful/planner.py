@@ -127,7 +127,7 @@ def _present(body: dict[str, msgspec.Raw], name: str) -> bool:
 def _splice(original: bytes, body: dict[str, msgspec.Raw], changes: dict[str, bytes]) -> bytes:
     """The client's body with some top-level fields replaced or added; every
     other byte of every value is the client's own."""
-    if "input" not in changes and not changes.keys() & body.keys():
+    if not changes.keys() & body.keys():
         # Only new fields (a forced store): insert them before the closing
         # brace rather than copy the whole body field by field.
         end = original.rindex(b"}")
@@ -160,7 +160,7 @@ class Planner:
             self.store = PrefixStore(settings.max_chains)
         self.settings = settings
 
-    def namespace(self, upstream: str, model: str, headers: Mapping[str, str], query: str = "") -> bytes:
+    def namespace(self, upstream: str, model: str, credential: bytes) -> bytes:
         """The root digest that every stored sequence of one namespace hangs from.
 
         A namespace is upstream + model + credential. It deliberately leaves out
@@ -170,26 +170,29 @@ class Planner:
         with every request and are not part of the stored context (FACTS.md);
         and clients vary ``prompt_cache_key`` freely (openai-agents sends a new
         one on every ``Runner.run``), which would make every turn start over.
-        The credential enters only through a keyed hash with a per-process
-        secret: it is never stored, and the digest cannot be tested offline.
+        The credential (``credential_material``) enters only through a keyed
+        hash with a per-process secret: it is never stored, and the digest
+        cannot be tested offline.
         """
         h = blake3(key=self._secret)
         h.update(f"{upstream}\x00{model}\x00".encode("utf-8", "surrogatepass"))
-        h.update(self._credential(headers, query))
+        h.update(credential)
         return h.digest()
 
     @staticmethod
-    def _credential(headers: Mapping[str, str], query: str) -> bytes:
-        parts = [headers.get(n, "") for n in CREDENTIAL_HEADERS] + [query]
+    def credential_material(request: Request) -> bytes:
+        """Whatever decides whose stored responses a request can reach: the
+        credential headers and the URL's query string."""
+        parts = [request.headers.get(n, "") for n in CREDENTIAL_HEADERS] + [urlsplit(request.url).query]
         return "\x00".join(parts).encode("utf-8", "surrogatepass")
 
-    def scope(self, upstream: str, headers: Mapping[str, str], query: str = "") -> str:
+    def scope(self, upstream: str, credential: bytes) -> str:
         """Where "does not store" and "refuses a forced store" apply: one
         upstream as seen by one credential. Zero data retention is decided per
         organization, so one such tenant must not switch the addon off for
         every other tenant of the same upstream. The tag is a keyed hash: it
         names a credential in logs without revealing it."""
-        tag = blake3(self._credential(headers, query), key=self._secret).hexdigest(4)
+        tag = blake3(credential, key=self._secret).hexdigest(4)
         return f"{upstream} (credential #{tag})"
 
     def plan(self, request: Request, *, rewrite: bool = True) -> Plan:
@@ -234,12 +237,12 @@ class Planner:
             return Plan("pass", "input has no items", upstream, model)
         if client_store is False and not s.force_store:
             return Plan("pass", "client sent store:false", upstream, model)
-        query = urlsplit(request.url).query
-        scope = self.scope(upstream, request.headers, query)
+        credential = self.credential_material(request)
+        scope = self.scope(upstream, credential)
         if scope in self.unsupported:
             return Plan("pass", "upstream does not store responses", upstream, model, scope)
 
-        root = self.namespace(upstream, model, request.headers, query)
+        root = self.namespace(upstream, model, credential)
         sequence = ItemSequence(root, digests)
         prefixes = sequence.digests
         force = (

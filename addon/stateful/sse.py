@@ -156,15 +156,13 @@ class AnswerReader:
         self.received = 0  # raw bytes seen
         self.terminal = False  # an SSE terminal event arrived
         self.response: dict | None = None
-        self.error: dict | None = None
-        self.failed_reason: str | None = None
         self._items: dict[int, dict] = {}
         self._json = bytearray()
         self._sse = SSEParser()
         try:
             self._decoder: _Decoder | None = _Decoder(content_encoding)
-        except Unreadable as e:
-            self._give_up(str(e))
+        except Unreadable:
+            self._give_up()
 
     def feed(self, chunk: bytes) -> None:
         """Look at one raw chunk. Never raises."""
@@ -180,8 +178,8 @@ class AnswerReader:
                 self._json += data
                 if len(self._json) > MAX_BUFFER:
                     raise Unreadable("JSON answer too large to read")
-        except Exception as e:  # noqa: BLE001 - a reader must never break the stream
-            self._give_up(f"{type(e).__name__}: {e}")
+        except Exception:  # noqa: BLE001 - a reader must never break the stream
+            self._give_up()
 
     @property
     def complete(self) -> bool:
@@ -201,15 +199,15 @@ class AnswerReader:
             try:
                 body = json.loads(bytes(self._json))
             except ValueError:
-                self._give_up("answer is not JSON")
+                self._give_up()
                 return None
             self.response = body if isinstance(body, dict) else None
             return self.response
         try:
             for event, payload in self._sse.close():
                 self._event(event, payload)
-        except Exception as e:  # noqa: BLE001
-            self._give_up(f"{type(e).__name__}: {e}")
+        except Exception:  # noqa: BLE001
+            self._give_up()
             return None
         if self.response is not None and not self.response.get("output") and self._items:
             # Servers that leave the terminal event's output empty still sent
@@ -233,11 +231,8 @@ class AnswerReader:
         elif kind == "response.output_item.done" and isinstance(data.get("item"), dict):
             index = data.get("output_index")
             self._items[index if isinstance(index, int) else len(self._items)] = data["item"]
-        elif kind == "error":
-            self.error = data
 
-    def _give_up(self, reason: str) -> None:
+    def _give_up(self) -> None:
         self._decoder = None
-        self.failed_reason = reason
         self.response = None
         self._json = bytearray()
