@@ -20,12 +20,8 @@ import json
 import os
 import platform
 import resource
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import tracemalloc
 from pathlib import Path
@@ -34,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "addon"), str(ROOT / "tests")]
 
 from driver import httpx  # noqa: E402
+from harness import start_mitmdump  # noqa: E402
 from responses_emulator import Emulator  # noqa: E402
 from stateful.planner import Planner, Request  # noqa: E402
 from stateful.settings import Settings  # noqa: E402
@@ -42,40 +39,6 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
 INSTRUCTIONS = "You are a careful assistant. " * 20
 AUTH = {"authorization": "Bearer sk-bench"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Mitmdump:
-    def __init__(self, upstream: str, addon: bool, *extra: str) -> None:
-        self.dir = tempfile.mkdtemp(prefix="bench-mitm-")
-        self.port = free_port()
-        args = [str(Path(sys.executable).with_name("mitmdump")), "--mode", f"reverse:{upstream}",
-                "--listen-host", "127.0.0.1", "--listen-port", str(self.port), "--set", f"confdir={self.dir}",
-                "--set", "flow_detail=0", *extra]
-        if addon:
-            args += ["-s", str(ROOT / "addon" / "stateful_responses.py")]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        for _ in range(300):
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.1)
-        raise SystemExit("mitmdump did not start")
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def converse(http, url: str, turns: int, tag: str, pad: int = 0, stream: bool = False):
@@ -121,7 +84,7 @@ def bench_bytes(quick: bool) -> list[str]:
     for turns, parallel in cases:
         name = f"{parallel} interleaved × {turns} turns" if parallel > 1 else f"{turns} turns"
         with Emulator() as emu:
-            proxy = Mitmdump(emu.url, addon=True)
+            proxy = start_mitmdump(emu.url)
             full = limit = requests = 0
             try:
                 with httpx.Client(trust_env=False, timeout=60) as http:
@@ -161,7 +124,7 @@ def bench_tax(quick: bool) -> list[str]:
     turns = 8 if quick else 20
     with Emulator() as emu:
         emu.model.control({"stateless": "reject"})
-        with_addon, plain = Mitmdump(emu.url, addon=True), Mitmdump(emu.url, addon=False)
+        with_addon, plain = start_mitmdump(emu.url), start_mitmdump(emu.url, script=False)
         try:
             with httpx.Client(trust_env=False, timeout=60) as http:
                 def run(url):
@@ -228,7 +191,7 @@ def bench_plan(quick: bool) -> list[str]:
 def bench_sse(quick: bool) -> list[str]:
     with Emulator() as emu:
         emu.model.control({"slow_ms": 15})
-        with_addon, plain = Mitmdump(emu.url, addon=True), Mitmdump(emu.url, addon=False)
+        with_addon, plain = start_mitmdump(emu.url), start_mitmdump(emu.url, script=False)
         try:
             results: dict[str, tuple[list, list]] = {"direct": ([], []), "plain": ([], []), "addon": ([], [])}
             urls = {"direct": emu.url, "plain": plain.url, "addon": with_addon.url}

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
@@ -21,25 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "addon"), str(ROOT / "tests")]
 
 from driver import Conversation, user_turns  # noqa: E402
+from harness import Proxy, free_port, mitmdump_args, wait_listening  # noqa: E402
 from mitmproxy import io as flow_io  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, proc: subprocess.Popen, what: str) -> None:
-    for _ in range(300):
-        if proc.poll() is not None:
-            raise SystemExit(f"{what} exited with {proc.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise SystemExit(f"{what} did not start")
 
 
 def main() -> None:
@@ -50,16 +31,11 @@ def main() -> None:
         [sys.executable, "-m", "responses_emulator", "--port", str(emu_port)],
         cwd=ROOT / "addon", stdout=subprocess.DEVNULL,
     )
-    mitmdump = Path(sys.executable).with_name("mitmdump")
-    proxy = subprocess.Popen(
-        [str(mitmdump), "--mode", f"reverse:http://127.0.0.1:{emu_port}", "--listen-host", "127.0.0.1",
-         "--listen-port", str(proxy_port), "-s", str(ROOT / "addon" / "stateful_responses.py"),
-         "--set", f"confdir={work}", "--set", "flow_detail=0", "-w", str(work / "flows")],
-        stdout=open(work / "mitmdump.log", "wb"), stderr=subprocess.STDOUT,
-    )
+    proxy = Proxy(mitmdump_args(f"reverse:http://127.0.0.1:{emu_port}", proxy_port, str(work),
+                                "-w", str(work / "flows")), proxy_port, str(work))
     try:
-        wait_port(emu_port, emulator, "emulator")
-        wait_port(proxy_port, proxy, "mitmdump")
+        wait_listening(emu_port, emulator, "emulator")
+        proxy.wait_ready()
         print(f"emulator on 127.0.0.1:{emu_port}, mitmdump with the addon on 127.0.0.1:{proxy_port}")
         print(f"conversation: {turns} user turns through the openai SDK, tool calls every third turn, "
               "odd turns streamed\n")
@@ -73,8 +49,7 @@ def main() -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{emu_port}/_emulator/log") as r:
             upstream = json.load(r)
     finally:
-        proxy.terminate()
-        proxy.wait(10)
+        proxy.stop()
         emulator.terminate()
         emulator.wait(10)
     with open(work / "flows", "rb") as f:

@@ -7,7 +7,7 @@ import runpy
 import sys
 
 import pytest
-from conftest import ADDON
+from harness import ADDON
 from mitmproxy.test import taddons, tflow, tutils
 from stateful.addon import META, StatefulResponses
 

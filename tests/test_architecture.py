@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from conftest import ROOT
+from harness import ROOT
 
 CORE = ["stateful.items", "stateful.store", "stateful.planner", "stateful.sse", "stateful.settings"]
 

@@ -11,11 +11,10 @@ import os
 import shutil
 import subprocess
 import tempfile
-from pathlib import Path
 
 import pytest
-from conftest import ADDON, Proxy, free_port, mitmdump_binary
 from driver import Conversation, user_turns
+from harness import ADDON, Proxy, free_port, mitmdump_binary
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SCREENSHOT = os.environ.get("STATEFUL_SCREENSHOT")  # where to save a picture for the README
@@ -27,7 +26,7 @@ TOKEN = "stateful-test-token"
 def mitmweb(emulator):
     confdir = tempfile.mkdtemp(prefix="mitmweb-")
     port, web_port = free_port(), free_port()
-    binary = str(Path(mitmdump_binary()).with_name("mitmweb"))
+    binary = mitmdump_binary("mitmweb")
     args = [binary, "--mode", f"reverse:{emulator.url}", "--listen-host", "127.0.0.1", "--listen-port", str(port),
             "--web-host", "127.0.0.1", "--web-port", str(web_port), "--set", "web_open_browser=false",
             "--set", f"confdir={confdir}", "-s", str(ADDON)]
@@ -35,13 +34,12 @@ def mitmweb(emulator):
         args += ["--set", f"web_columns={column}"]
     if "web_password" in subprocess.run([binary, "--options"], capture_output=True, text=True).stdout:
         args += ["--set", f"web_password={TOKEN}"]  # mitmweb 12 asks for a token
-    proxy = Proxy(args, port, confdir)
+    proxy = Proxy(args, port, confdir, owns_confdir=True)
     try:
         proxy.wait_ready()
         yield proxy, f"http://127.0.0.1:{web_port}/?token={TOKEN}"
     finally:
         proxy.stop()
-        shutil.rmtree(confdir, ignore_errors=True)
 
 
 def test_flow_list_and_view_show_the_decision(mitmweb):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from conftest import ADDON, mitmdump_binary
+from harness import ADDON, mitmdump_binary
 
 
 def run_mitmdump(tmp_path, *sets: str) -> subprocess.CompletedProcess:

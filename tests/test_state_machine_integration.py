@@ -12,13 +12,13 @@ runs a long campaign; the default keeps CI short.
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 import json
 import os
+from collections import Counter
 
 import pytest
-from conftest import Proxy, free_port, mitmdump_args
 from driver import drop_nulls, httpx, meaning
+from harness import start_mitmdump
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -39,14 +39,10 @@ SEEN: Counter = Counter()  # what the campaign exercised, so it can never pass v
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack():
     with Emulator(seed=7) as emu:
-        confdir = str(tmp_path_factory.mktemp("mitm"))
-        port = free_port()
-        proxy = Proxy(mitmdump_args(f"reverse:{emu.url}", port, confdir, "--set", "stateful_max_chains=16"),
-                      port, confdir)
+        proxy = start_mitmdump(emu.url, "--set", "stateful_max_chains=16")
         try:
-            proxy.wait_ready()
             with httpx.Client(trust_env=False, timeout=30) as http:
                 yield emu, proxy, http
         finally:

@@ -1,0 +1,115 @@
+"""Processes for the tests, the demo and the benchmarks: free loopback ports,
+and mitmdump (or mitmweb) with the addon, started, awaited and stopped."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ADDON = ROOT / "addon" / "stateful_responses.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_listening(port: int, process: subprocess.Popen, what: str,
+                   output: Callable[[], str] = lambda: "", timeout: float = 30) -> None:
+    """Until ``process`` accepts connections on ``port``; RuntimeError if it exits or never does."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited {process.returncode}:\n{output()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{what} did not start listening:\n{output()}")
+
+
+def mitmdump_binary(name: str = "mitmdump") -> str:
+    candidate = Path(sys.executable).with_name(name)
+    return str(candidate) if candidate.exists() else (shutil.which(name) or name)
+
+
+def mitmdump_args(mode: str, port: int, confdir: str, *extra: str, script: bool = True) -> list[str]:
+    args = [
+        mitmdump_binary(),
+        "--mode", mode,
+        "--listen-host", "127.0.0.1",
+        "--listen-port", str(port),
+        "--set", f"confdir={confdir}",
+        "--set", "flow_detail=0",
+        "--set", "termlog_verbosity=info",
+    ]
+    if script:
+        args += ["-s", str(ADDON)]
+    return args + list(extra)
+
+
+class Proxy:
+    """A mitmdump or mitmweb process; its output goes to a log in ``confdir``."""
+
+    def __init__(self, args: list[str], port: int, confdir: str, owns_confdir: bool = False) -> None:
+        self.port = port
+        self.confdir = confdir
+        self.owns_confdir = owns_confdir
+        self._stopped_output: str | None = None
+        self.log_path = Path(confdir) / "mitmdump.log"
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def output(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        wait_listening(self.port, self.process, "mitmdump", self.output, timeout)
+
+    def stop(self) -> str:
+        """Stop the process (and remove its confdir if it owns it); returns its
+        output. Stopping again returns the same output."""
+        if self._stopped_output is not None:
+            return self._stopped_output
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self._log.close()
+        self._stopped_output = self.log_path.read_text(errors="replace")
+        if self.owns_confdir:
+            shutil.rmtree(self.confdir, ignore_errors=True)
+        return self._stopped_output
+
+
+def start_mitmdump(upstream: str, *extra: str, mode: str | None = None, script: bool = True) -> Proxy:
+    """mitmdump on a free port with a confdir of its own, listening when returned."""
+    confdir = tempfile.mkdtemp(prefix="mitm-")
+    port = free_port()
+    proxy = Proxy(mitmdump_args(mode or f"reverse:{upstream}", port, confdir, *extra, script=script),
+                  port, confdir, owns_confdir=True)
+    try:
+        proxy.wait_ready()
+    except BaseException:
+        proxy.stop()
+        raise
+    return proxy
