@@ -247,3 +247,42 @@ def test_a_refusal_the_original_also_gets_is_the_clients_own_and_changes_nothing
     conv.turn("a good request")
     forced = log(emulator)[-1]
     assert forced["body_bytes"] == conv.sent[-1].size + len(',"store":true')  # still forcing store
+
+
+def test_a_completed_event_carrying_an_incomplete_response_teaches_nothing(proxy, emulator):
+    """vLLM ends every stream with ``response.completed``: the status decides, not the event name."""
+    conv = Conversation(proxy.url, as_dicts=True)
+    run_turns(conv, user_turns(2))
+    emulator.model.control({"fail_next": [{"kind": "incomplete", "terminal_event": "response.completed"}]})
+    body = {"model": "gpt-test", "stream": True, "input": conv.history + [{"role": "user", "content": "more"}]}
+    with httpx.Client(trust_env=False) as c:
+        received = c.post(proxy.url + "/v1/responses", json=body, headers=AUTH).content
+    odd = log(emulator)[-1]
+    assert received == odd["sse"].encode()  # the client got exactly what the upstream sent
+    assert b"event: response.completed" in received and odd["stored"] is False
+    history = body["input"] + odd["output"] + [{"role": "user", "content": "after the odd answer"}]
+    before = len(log(emulator))
+    with httpx.Client(trust_env=False) as c:
+        assert c.post(proxy.url + "/v1/responses", json={"model": "gpt-test", "input": history},
+                      headers=AUTH).status_code == 200
+    assert len(log(emulator)) == before + 1  # no continuation from the odd answer refused and retried
+    after = log(emulator)[-1]
+    assert after["previous_response_id"] not in (odd["response_id"], odd["previous_response_id"])
+    assert drop_nulls(after["context"]) == drop_nulls(history)
+    assert "does not store" not in proxy.output()  # the upstream is not marked
+    run_turns(conv, ["a normal turn"])
+    assert log(emulator)[-1]["continued"] is True
+
+
+def test_a_clients_own_store_false_marks_nothing(emulator, start_proxy):
+    proxy = start_proxy(emulator.url, "--set", "stateful_force_store=false", "--set", "stateful_debug=true")
+    body = json.dumps({"model": "gpt-test", "input": "not to be kept", "store": False}).encode()
+    with httpx.Client(trust_env=False) as c:
+        r = c.post(proxy.url + "/v1/responses", content=body, headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 200 and r.json()["store"] is False
+    assert log(emulator)[-1]["body_sha256"] == hashlib.sha256(body).hexdigest()  # passed untouched
+    conv = Conversation(proxy.url)
+    run_turns(conv, user_turns(3))
+    conv.close()
+    assert all(r["continued"] for r in log(emulator)[2:])  # the upstream was never marked
+    assert "does not store" not in proxy.output()

@@ -260,8 +260,10 @@ class ResponsesModel:
         return response
 
 
-def sse_events(response: dict) -> list[dict]:
-    """The event sequence the API streams for one response."""
+def sse_events(response: dict, terminal_event: str | None = None) -> list[dict]:
+    """The event sequence the API streams for one response. ``terminal_event``
+    overrides the last event's name, as servers do that end every stream with
+    ``response.completed`` whatever the status (vLLM)."""
     shell = {**response, "status": "in_progress", "output": [], "usage": None}
     events: list[dict] = [
         {"type": "response.created", "response": shell},
@@ -294,8 +296,8 @@ def sse_events(response: dict) -> list[dict]:
             events.append({"type": "response.function_call_arguments.done", "item_id": item["id"],
                            "output_index": index, "arguments": item["arguments"]})
         events.append({"type": "response.output_item.done", "output_index": index, "item": item})
-    terminal = {"completed": "response.completed", "failed": "response.failed",
-                "incomplete": "response.incomplete"}[response["status"]]
+    terminal = terminal_event or {"completed": "response.completed", "failed": "response.failed",
+                                  "incomplete": "response.incomplete"}[response["status"]]
     events.append({"type": terminal, "response": response})
     for n, event in enumerate(events):
         event["sequence_number"] = n

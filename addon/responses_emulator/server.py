@@ -87,7 +87,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
             return
         if parsed.get("stream"):
-            self._stream(response, cut_after=(fault or {}).get("after_events") if kind == "cut" else None)
+            self._stream(response, cut_after=(fault or {}).get("after_events") if kind == "cut" else None,
+                         terminal_event=(fault or {}).get("terminal_event"))
         else:
             self._send_json(200, response)
 
@@ -96,7 +97,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.connection.close()
         self.close_connection = True
 
-    def _stream(self, response: dict, cut_after: int | None) -> None:
+    def _stream(self, response: dict, cut_after: int | None, terminal_event: str | None = None) -> None:
         faults = self.server.model.faults
         compress = zlib.compressobj(wbits=16 + zlib.MAX_WBITS) if faults.gzip else None
         self.send_response(200)
@@ -115,7 +116,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.flush()
 
         sent = bytearray()
-        for n, event in enumerate(sse_events(response)):
+        for n, event in enumerate(sse_events(response, terminal_event)):
             if cut_after is not None and n >= cut_after:
                 self._reset_connection()
                 return
