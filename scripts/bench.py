@@ -31,9 +31,9 @@ sys.path[:0] = [str(ROOT / "addon"), str(ROOT / "tests")]
 
 from driver import httpx  # noqa: E402
 from harness import start_mitmdump  # noqa: E402
-from responses_emulator import Emulator  # noqa: E402
-from stateful.planner import Planner, Request  # noqa: E402
-from stateful.settings import Settings  # noqa: E402
+from stateful_responses.emulator import Emulator  # noqa: E402
+from stateful_responses.planner import Planner, Request  # noqa: E402
+from stateful_responses.settings import Settings  # noqa: E402
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for a city.",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
@@ -238,7 +238,7 @@ def bench_memory(quick: bool) -> list[str]:
     gc.collect()
     tracemalloc.start()
     base = rss_mb()
-    ours = [tracemalloc.Filter(True, str(ROOT / "addon" / "stateful" / "*"))]
+    ours = [tracemalloc.Filter(True, str(ROOT / "addon" / "stateful_responses" / "*"))]
     for n in range(requests):
         c = n % conversations
         history = histories[c]

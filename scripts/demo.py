@@ -28,7 +28,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="stateful-demo-"))
     emu_port, proxy_port = free_port(), free_port()
     emulator = subprocess.Popen(
-        [sys.executable, "-m", "responses_emulator", "--port", str(emu_port)],
+        [sys.executable, "-m", "stateful_responses.emulator", "--port", str(emu_port)],
         cwd=ROOT / "addon", stdout=subprocess.DEVNULL,
     )
     proxy = Proxy(mitmdump_args(f"reverse:http://127.0.0.1:{emu_port}", proxy_port, str(work),

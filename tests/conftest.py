@@ -8,7 +8,7 @@ import os
 
 import pytest
 from harness import start_mitmdump
-from responses_emulator import Emulator
+from stateful_responses.emulator import Emulator
 
 # Tests talk to 127.0.0.1 only; a proxy from the environment must not intercept that.
 for _var in ("NO_PROXY", "no_proxy"):

@@ -9,7 +9,7 @@ import sys
 import pytest
 from harness import ADDON
 from mitmproxy.test import taddons, tflow, tutils
-from stateful.addon import META, StatefulResponses
+from stateful_responses.addon import META, StatefulResponses
 
 UPSTREAM_OUTPUT = [{"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
                     "content": [{"type": "output_text", "text": "hi!", "annotations": []}]}]
@@ -125,9 +125,9 @@ async def test_commands_stats_and_clear():
 
 def test_reloading_the_entry_script_reloads_the_package():
     first = runpy.run_path(str(ADDON))
-    module_before = sys.modules["stateful.addon"]
+    module_before = sys.modules["stateful_responses.addon"]
     second = runpy.run_path(str(ADDON))
-    assert sys.modules["stateful.addon"] is not module_before
+    assert sys.modules["stateful_responses.addon"] is not module_before
     assert type(first["addons"][0]) is not type(second["addons"][0])
 
 
@@ -178,7 +178,7 @@ async def test_mitmweb_view_shows_the_decision_and_both_bodies():
 async def test_the_store_learns_before_the_last_bytes_reach_the_client(kind):
     """A fast agent's next request can arrive before the response hook runs;
     it must already find this answer stored."""
-    from responses_emulator import sse_events
+    from stateful_responses.emulator import sse_events
 
     addon = StatefulResponses()
     with taddons.context(addon):

@@ -5,7 +5,7 @@ import sys
 
 from harness import ROOT
 
-CORE = ["stateful.items", "stateful.store", "stateful.planner", "stateful.sse", "stateful.settings"]
+CORE = [f"stateful_responses.{m}" for m in ("items", "store", "planner", "sse", "settings")]
 
 
 def test_the_core_imports_without_mitmproxy():
@@ -17,6 +17,7 @@ def test_the_core_imports_without_mitmproxy():
 
 
 def test_the_emulator_never_imports_the_addon():
-    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'addon')!r}); import responses_emulator; "
-            "assert not [m for m in sys.modules if m.split('.')[0] == 'stateful']")
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'addon')!r}); import stateful_responses.emulator; "
+            "assert not [m for m in sys.modules if m.startswith('stateful_responses.')\n"
+            "            and not m.startswith('stateful_responses.emulator')]")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -17,7 +17,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from responses_emulator import Emulator
+from stateful_responses.emulator import Emulator
 
 CLIENT = textwrap.dedent("""
     import json, sys, openai

@@ -7,7 +7,7 @@ import json
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from stateful.items import item_digest, normalize_item
+from stateful_responses.items import item_digest, normalize_item
 
 OUTPUT_MESSAGE = {
     "type": "message", "id": "msg_1", "status": "completed", "role": "assistant", "phase": "final_answer",

@@ -8,9 +8,9 @@ import json
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from stateful.items import item_digest
-from stateful.planner import Planner, Request
-from stateful.settings import Settings
+from stateful_responses.items import item_digest
+from stateful_responses.planner import Planner, Request
+from stateful_responses.settings import Settings
 
 URL = "https://api.example.test/v1/responses"
 _ids = itertools.count()

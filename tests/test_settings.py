@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from stateful.settings import Settings, SettingsError, unknown_names
+from stateful_responses.settings import Settings, SettingsError, unknown_names
 
 
 def test_defaults_match_the_documented_table():

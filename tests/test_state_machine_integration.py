@@ -29,7 +29,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from responses_emulator import Emulator
+from stateful_responses.emulator import Emulator
 
 EXAMPLES = int(os.environ.get("STATEFUL_EXAMPLES", "25"))
 # The short default run (CI) draws the same examples every time, so its checks

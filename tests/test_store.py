@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
-from stateful.store import PrefixStore
+from stateful_responses.store import PrefixStore
 
 
 def d(*parts: int) -> bytes:

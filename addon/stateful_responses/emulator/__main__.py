@@ -1,4 +1,4 @@
-"""``python -m responses_emulator [--port N] [--port-file F]``: serve until killed."""
+"""``python -m stateful_responses.emulator [--port N] [--port-file F]``: serve until killed."""
 
 import argparse
 import signal
