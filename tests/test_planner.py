@@ -40,7 +40,8 @@ class ReferenceUpstream:
         stored = body.get("store", True) is not False and store_ok
         if stored:
             self.stored[(key, rid)] = context + output
-        return 200, {"id": rid, "status": "completed", "store": stored, "output": output}, context
+        return 200, {"id": rid, "status": "completed", "store": stored, "previous_response_id": prev,
+                     "output": output}, context
 
 
 def assistant_output(n: int) -> list:
@@ -322,3 +323,107 @@ def test_a_key_in_the_query_string_or_a_proxy_credential_separates_tenants():
     assert planner.plan(other_query).action == "full"
     other_proxy_user = Request(base.method, URL, {**base.headers, "proxy-authorization": "Basic Yjpi"}, base.body)
     assert planner.plan(other_proxy_user).action == "full"
+    proxyauth_user = Request(base.method, URL, base.headers, base.body, proxy_user="alice\x00secret")
+    assert planner.plan(proxyauth_user).action == "full"
+
+
+def test_a_credential_in_the_upstream_path_never_reaches_the_scope_label():
+    planner = Planner()
+    url = "https://user:pw@gw.example.test:8443/key/sk-path-secret/v1/responses"
+    plan = planner.plan(Request("POST", url, {"authorization": "Bearer sk-header-secret"},
+                                json.dumps({"model": "m", "input": "x"}).encode()))
+    assert plan.scope_label.startswith("https://gw.example.test:8443 (upstream #")
+    for secret in ("sk-path-secret", "sk-header-secret", "user", "pw", "/key"):
+        assert secret not in plan.scope_label and secret not in plan.scope
+
+
+# -- issue 18: transient refusals, and answers that prove nothing --------------
+
+@pytest.mark.parametrize("status", [408, 425, 429])
+def test_a_transient_4xx_teaches_nothing_and_forgets_nothing(status):
+    planner, upstream = Planner(), ReferenceUpstream()
+    conv = [{"role": "user", "content": "x"}]
+    _, response, _ = send(planner, upstream, "k", conv, assistant_output(1))
+    nxt = conv + response["output"] + [{"role": "user", "content": "y"}]
+    plan = planner.plan(request(nxt, "k"))
+    assert plan.action == "continue"
+    assert planner.settle(plan, status, None).kind == "transient"
+    assert planner.plan(request(nxt, "k")).action == "continue"  # the parent is still valid
+    first = planner.plan(request([{"role": "user", "content": "z"}], store=False))
+    assert first.forced_store and planner.settle(first, status, None).kind == "transient"
+    assert planner.plan(request([{"role": "user", "content": "z"}], store=False)).forced_store
+
+
+def _answer(rid, **fields):
+    return {"id": rid, "status": "completed", "output": assistant_output(1), **fields}
+
+
+def test_an_answer_without_store_proves_nothing_until_the_upstream_echoed_a_continuation():
+    planner = Planner()
+    conv = [{"role": "user", "content": "x"}]
+    nxt = conv + assistant_output(1) + [{"role": "user", "content": "y"}]
+    assert planner.settle(planner.plan(request(conv)), 200, _answer("resp_1")).kind == "ignored"
+    assert planner.plan(request(nxt)).action == "full"
+    # the client's own continuation is answered with the id echoed: the upstream honours it
+    watched = planner.plan(request([{"role": "user", "content": "q"}], previous_response_id="resp_0"))
+    assert watched.action == "pass" and watched.watched
+    planner.settle(watched, 200, _answer("resp_w", previous_response_id="resp_0"))
+    assert planner.settle(planner.plan(request(conv)), 200, _answer("resp_2")).kind == "advanced"
+    assert planner.plan(request(nxt)).action == "continue"
+    # trust is per upstream + credential
+    other = planner.plan(request(conv, "other"))
+    assert planner.settle(other, 200, _answer("resp_3")).kind == "ignored"
+
+
+def test_a_continuation_whose_answer_does_not_echo_the_id_is_not_built_upon():
+    planner = Planner()
+    conv = [{"role": "user", "content": "x"}]
+    planner.settle(planner.plan(request(conv)), 200, _answer("resp_1", store=True))
+    nxt = conv + assistant_output(1) + [{"role": "user", "content": "y"}]
+    plan = planner.plan(request(nxt))
+    assert plan.action == "continue"
+    assert planner.settle(plan, 200, _answer("resp_2", store=True)).kind == "ignored"
+    third = nxt + assistant_output(1) + [{"role": "user", "content": "z"}]
+    assert planner.plan(request(third)).previous_response_id == "resp_1"
+    null_echo = planner.plan(request(third))
+    assert planner.settle(null_echo, 200, _answer("resp_3", store=True, previous_response_id=None)).kind == "unsupported"
+
+
+# -- issue 17: bodies whose meaning depends on the parser ----------------------
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model":"m","input":[{"role":"user","content":"short"}],"input":[{"role":"user","content":"real"}]}',
+        b'{"model":"m","input":[{"role":"user","content":"same"}],"input":[{"role":"user","content":"same"}]}',
+        b'{"model":"m","store":false,"store":true,"input":"x"}',
+        b'{"model":"m","input":[{"role":"user","content":"a","content":"b"}]}',
+        b'{"model":"m","input":[{"role":"user","content":"\\ud800x"}]}',
+        b'{"model":"m","input":[{"type":"function_call_output","call_id":"c","output":Infinity}]}',
+    ],
+    ids=["duplicate-input", "duplicate-identical-input", "duplicate-store", "duplicate-in-item",
+         "lone-surrogate", "infinity"],
+)
+def test_ambiguous_bodies_pass_byte_identical(body):
+    planner = Planner()
+    plan = planner.plan(Request("POST", URL, {}, body))
+    assert (plan.action, plan.reason, plan.body) == ("pass", "ambiguous body", None)
+    assert planner.stats()["ambiguous"] == 1
+
+
+def test_a_duplicated_input_key_is_counted_as_ambiguous_and_never_continued():
+    planner, upstream = Planner(), ReferenceUpstream()
+    conv = [{"role": "user", "content": "real"}]
+    _, response, _ = send(planner, upstream, "k", conv, assistant_output(1))
+    history = json.dumps(conv + response["output"] + [{"role": "user", "content": "next"}]).encode()
+    body = b'{"model":"gpt-test","input":[{"role":"user","content":"short"}],"input":' + history + b"}"
+    plan = planner.plan(Request("POST", URL, {"authorization": "Bearer k"}, body))
+    assert (plan.action, plan.reason, plan.body) == ("pass", "ambiguous body", None)
+    assert planner.stats()["ambiguous"] == 1
+
+
+@given(st.lists(st.sampled_from([" ", "\t", "\n", "\r\n", ""]), min_size=6, max_size=6))
+def test_unusual_whitespace_between_top_level_fields_is_not_ambiguous(ws):
+    pieces = ["{", '"model"', ":", '"m"', ",", '"input"', ':"x"}']
+    body = "".join(p + w for p, w in zip(pieces, ws + [""], strict=True)) + ws[0]
+    assert Planner().plan(Request("POST", URL, {}, body.encode())).action == "full"

@@ -8,6 +8,7 @@ error inside the addon lets the client's request through untouched.
 
 from __future__ import annotations
 
+import html
 import logging
 import os
 import sys
@@ -16,9 +17,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mitmproxy import command, ctx, exceptions, http
+from mitmproxy import command, ctx, exceptions, http, version
+from mitmproxy.utils import human
 
-from .planner import Outcome, Plan, Planner, Request, plan_summary
+from .planner import TRANSIENT_STATUSES, Outcome, Plan, Planner, Request, plan_summary, upstream_of
 from .settings import PARSERS, Settings, SettingsError, unknown_names
 from .sse import AnswerReader
 from .view import CLIENT_BODY, META, register, unregister
@@ -27,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 RETRY_OF = "stateful_retry_of"  # flow.metadata key marking our own retry
 MAX_PENDING = 10_000
+# Request bodies the addon may rewrite are kept whole up to this size even when
+# mitmproxy's stream_large_bodies would stream them past every addon.
+MAX_BUFFERED_REQUEST = 64 * 1024 * 1024
 # flow.marked shows in mitmweb's flow list: continued, sent full, passed.
 MARKS = {"continue": ":recycle:", "full": ":arrow_right:", "pass": ":white_circle:"}
 
@@ -57,6 +62,15 @@ def _metadata(plan: Plan, outcome: Outcome | None = None) -> dict:
     return data
 
 
+def _bad_gateway(why: str) -> http.Response:
+    """The answer mitmproxy itself gives when the upstream connection fails."""
+    body = (f"<html><head><title>502 Bad Gateway</title></head><body><h1>502 Bad Gateway</h1>"
+            f"<p>{html.escape(why)}</p></body></html>").encode()
+    return http.Response.make(
+        502, body, {"Server": version.MITMPROXY, "Connection": "close", "Content-Type": "text/html"}
+    )
+
+
 def _reader_for(response: http.Response) -> AnswerReader:
     length = response.headers.get("content-length", "")
     return AnswerReader(
@@ -70,6 +84,7 @@ class StatefulResponses:
     def __init__(self) -> None:
         self.planner = Planner()
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._retry_bodies: dict[str, bytearray | None] = {}  # our retries' answers, by the retry's flow id
         self._option_errors: list[str] = []
         self._view = None
 
@@ -148,40 +163,106 @@ class StatefulResponses:
 
     # -- hooks ---------------------------------------------------------------
 
-    def request(self, flow: http.HTTPFlow) -> None:
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
         try:
-            self._plan(flow)
+            req = flow.request
+            if self._may_rewrite(req) and self._would_stream(req):
+                self._collect_request(flow)
+        except Exception:
+            self._internal_error("reading request headers")
+
+    def _may_rewrite(self, req: http.Request) -> bool:
+        s = self.planner.settings
+        return s.enabled and req.method.upper() == "POST" and upstream_of(req.url) is not None and s.url_matches(req.url)
+
+    @staticmethod
+    def _would_stream(req: http.Request) -> bool:
+        """mitmproxy's ``stream_large_bodies`` would stream this body past every
+        addon: a length above it, or no length (it switches mid-body, whatever
+        an addon says)."""
+        limit = human.parse_size(ctx.options.stream_large_bodies)
+        if limit is None:
+            return False
+        length = req.headers.get("content-length", "")
+        if not length.isdigit():
+            return True
+        return limit < int(length) <= MAX_BUFFERED_REQUEST
+
+    def _collect_request(self, flow: http.HTTPFlow) -> None:
+        """Stream the request ourselves: hold its chunks, plan once the body is
+        whole, and send what the plan says as one chunk. The length is unknown
+        until then, so the body goes out chunked (HTTP/2 needs no length)."""
+        req = flow.request
+        client_headers = req.headers.copy()
+        req.headers.pop("content-length", None)
+        if req.http_version.startswith("HTTP/1"):
+            req.headers["transfer-encoding"] = "chunked"
+        body: bytearray | None = bytearray()
+
+        def collect(chunk: bytes) -> list[bytes]:
+            nonlocal body
+            if body is None:
+                return [chunk]  # too large to hold: passes untouched
+            if chunk:
+                body.extend(chunk)
+                if len(body) <= MAX_BUFFERED_REQUEST:
+                    return []
+                held, body = bytes(body), None
+                return [held]
+            original = req.copy()
+            original.headers = client_headers
+            original.raw_content = bytes(body)
+            sent = original.raw_content
+            try:
+                sent = self._plan(flow, original) or sent
+            except Exception:
+                self._internal_error("planning a request")
+            req.raw_content = sent  # what went upstream, for mitmweb and -w
+            return [sent]
+
+        req.stream = collect
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        if META in flow.metadata or flow.request.raw_content is None:
+            return  # planned while streamed, or streamed past the addon
+        try:
+            body = self._plan(flow, flow.request.copy())
+            if body is not None:
+                flow.request.content = body
         except Exception:
             self._internal_error("planning a request")
 
-    def _plan(self, flow: http.HTTPFlow) -> None:
+    def _plan(self, flow: http.HTTPFlow, original: http.Request) -> bytes | None:
+        """Plan the client's ``original`` request; returns the body to send
+        instead of the client's, or None to send the client's."""
         retry_of = flow.metadata.get(RETRY_OF)
-        req = flow.request
+        client_body = original.raw_content or b""
+        proxy_user = flow.metadata.get("proxyauth")
         plan = self.planner.plan(
             Request(
-                method=req.method,
-                url=req.url,
-                headers={k.lower(): v for k, v in req.headers.items()},
-                body=req.raw_content or b"",
-                content_encoding=req.headers.get("content-encoding", ""),
+                method=original.method,
+                url=original.url,
+                headers={k.lower(): v for k, v in original.headers.items()},
+                body=client_body,
+                content_encoding=original.headers.get("content-encoding", ""),
+                proxy_user="\x00".join(map(str, proxy_user)) if isinstance(proxy_user, tuple) else "",
             ),
             rewrite=retry_of is None,
         )
         if plan.upstream == "":
-            return  # not a Responses API request: no trace at all
+            return None  # not a Responses API request: no trace at all
         flow.metadata[META] = _metadata(plan)
         if retry_of is None:
             flow.comment = plan_summary(plan)
             flow.marked = MARKS.get(plan.action, "")
         if not plan.tracked:
             self._debug("passed %s: %s", plan.model or "-", plan.reason)
-            return
-        original = None
+            if plan.watched:
+                self._remember(flow.id, _Pending(plan, None))
+            return None
         if plan.body is not None:
-            original = req.copy()
-            flow.metadata[CLIENT_BODY] = original.raw_content
-            req.content = plan.body
-        self._remember(flow.id, _Pending(plan, original))
+            flow.metadata[CLIENT_BODY] = client_body
+        self._remember(flow.id, _Pending(plan, original if plan.body is not None else None))
         if plan.action == "continue":
             self._debug(
                 "rewritten %s: %d items, %d new, previous %s",
@@ -192,17 +273,24 @@ class StatefulResponses:
             )
         else:
             self._debug("full %s: %d items (%s)", plan.model, plan.items_total, plan.reason)
+        return plan.body
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        pending = self._pending.get(flow.id)
-        if pending is None or flow.response is None:
+        if flow.response is None:
             return
+        pending = self._pending.get(flow.id)
         try:
+            if flow.id in self._retry_bodies:
+                self._keep_whole(flow, pending)
+                return
+            if pending is None:
+                return
             status = flow.response.status_code
-            if flow.metadata.get(RETRY_OF) is not None:
-                return  # buffered: the whole answer is handed to the client's flow
-            if 400 <= status < 500 and pending.plan.changed:
-                return  # buffered: the response hook retries before the client sees it
+            if 400 <= status < 500 and pending.plan.changed and status not in TRANSIENT_STATUSES:
+                # Buffered, whatever stream_large_bodies says: the response hook
+                # replaces this refusal before the client sees it.
+                flow.response.stream = False
+                return
             reader = pending.reader = _reader_for(flow.response)
             downstream = flow.response.stream
 
@@ -220,6 +308,22 @@ class StatefulResponses:
             flow.response.stream = tap
         except Exception:
             self._internal_error("tapping an answer")
+
+    def _keep_whole(self, flow: http.HTTPFlow, pending: _Pending | None) -> None:
+        """Our retry's answer is kept whole for the client's flow. Collected
+        from a stream rather than left to mitmproxy's buffering, which
+        ``stream_large_bodies`` would turn into streaming to nowhere."""
+        assert flow.response is not None
+        body = self._retry_bodies[flow.id] = bytearray()
+        reader = pending.reader = _reader_for(flow.response) if pending is not None else None
+
+        def keep(chunk: bytes) -> bytes:
+            body.extend(chunk)
+            if reader is not None:
+                reader.feed(chunk)
+            return b""
+
+        flow.response.stream = keep
 
     async def response(self, flow: http.HTTPFlow) -> None:
         pending = self._pending.pop(flow.id, None)
@@ -284,7 +388,7 @@ class StatefulResponses:
             logger.info(
                 "stateful-responses: %s does not store responses (%s); "
                 "sending full history to it from now on",
-                pending.plan.scope,
+                pending.plan.scope_label,
                 outcome.detail,
             )
         elif outcome.kind != "retry":
@@ -301,6 +405,7 @@ class StatefulResponses:
         counters = self.planner.counters
         counters.retries += 1
         self._debug("retrying with the original body after %d", rejected)
+        child = None
         try:
             child = flow.copy()
             child.request = pending.original
@@ -308,19 +413,27 @@ class StatefulResponses:
             child.error = None
             child.metadata = {RETRY_OF: flow.id}
             child.comment = f"retry of {flow.id}: original body after {rejected}"
+            self._retry_bodies[child.id] = None  # responseheaders starts collecting
             await ReplayHandler(child, ctx.options).replay()
         except Exception:
             self._internal_error("retrying a rejected request")
-            return
-        if child.response is not None:
+        body = self._retry_bodies.pop(child.id, None) if child is not None else None
+        flow.marked = ":warning:"
+        flow.metadata[META]["retried_after"] = rejected
+        if child is not None and child.response is not None and body is not None:
+            child.response.raw_content = bytes(body)
             self.planner.retried(pending.plan, child.response.status_code)
             flow.response = child.response
             counters.fallbacks += 1
             flow.comment = f"{plan_summary(pending.plan)}; upstream answered {rejected}, retried with the original body"
-            flow.marked = ":warning:"
-            flow.metadata[META]["retried_after"] = rejected
-        else:
-            flow.comment = f"retry after {rejected} failed: {child.error}"
+            return
+        # The client must not see the refusal our change caused: its SDK would
+        # not retry a 400. Without the addon its request met this failure, so
+        # it gets what mitmproxy answers a failed connection with.
+        why = str(child.error) if child is not None and child.error else "internal error"
+        flow.response = _bad_gateway(why)
+        flow.comment = (f"{plan_summary(pending.plan)}; upstream answered {rejected}; "
+                        f"the retry with the original body failed ({why}): answered 502")
 
     def _remember(self, flow_id: str, pending: _Pending) -> None:
         self._pending[flow_id] = pending

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -19,7 +20,7 @@ from urllib.parse import urlsplit
 import msgspec
 from blake3 import blake3
 
-from .items import DigestCache, ItemSequence, as_item_list, item_digest
+from .items import Ambiguous, DigestCache, ItemSequence, as_item_list, item_digest
 from .settings import Settings
 from .store import PrefixStore
 
@@ -46,6 +47,7 @@ class Request:
     headers: Mapping[str, str]
     body: bytes
     content_encoding: str = ""
+    proxy_user: str = ""  # the user mitmproxy's proxyauth authenticated (it strips Proxy-Authorization)
 
 
 @dataclass
@@ -54,7 +56,8 @@ class Plan:
     reason: str
     upstream: str = ""
     model: str = ""
-    scope: str = ""  # upstream + credential tag: what "unsupported" marks apply to
+    scope: str = ""  # upstream + credential, hashed: what "unsupported" marks apply to
+    scope_label: str = ""  # the scope for logs: host and hash tags, never a path or credential
     body: bytes | None = None  # the body to send upstream when it differs
     previous_response_id: str | None = None
     parent: bytes | None = None  # digest of the entry continued from
@@ -64,6 +67,7 @@ class Plan:
     asked_store: bool = False  # the body sent upstream says store: true
     forced_store: bool = False  # we set store: true where the client had not
     client_bytes: int = 0
+    client_previous_response_id: str | None = None  # the client's own continuation, watched for its echo
 
     @property
     def changed(self) -> bool:
@@ -73,12 +77,18 @@ class Plan:
     def tracked(self) -> bool:
         return self.action != "pass"
 
+    @property
+    def watched(self) -> bool:
+        """An answer worth reading: a tracked request's, or a client's own
+        continuation's (its echo proves the upstream honours the field)."""
+        return self.tracked or self.client_previous_response_id is not None
+
 
 @dataclass(frozen=True)
 class Outcome:
     """What one answer taught the store, for logs, counters and the flow."""
 
-    kind: Literal["advanced", "dropped", "unsupported", "ignored", "retry"]
+    kind: Literal["advanced", "dropped", "unsupported", "ignored", "retry", "transient"]
     detail: str
     response_id: str | None = None
 
@@ -93,6 +103,7 @@ class Counters:
     retries: int = 0
     fallbacks: int = 0
     unsupported_upstreams: int = 0
+    ambiguous: int = 0
     errors: int = 0
 
 
@@ -124,6 +135,46 @@ def _present(body: dict[str, msgspec.Raw], name: str) -> bool:
     return raw is not None and bytes(raw) != b"null"
 
 
+_OPEN = re.compile(rb"[ \t\n\r]*\{")
+_KEY = re.compile(rb'[ \t\n\r]*"((?:[^"\\]|\\.)*)"[ \t\n\r]*:[ \t\n\r]*', re.S)
+_AFTER_VALUE = re.compile(rb"[ \t\n\r]*([,}])[ \t\n\r]*")
+
+
+def _unambiguous_top_level(original: bytes, body: dict[str, msgspec.Raw]) -> bool:
+    """Every top-level key appears once, followed by the very value msgspec
+    kept for it. A duplicated key, which parsers resolve differently (first
+    wins, last wins, refused), shows as a key seen twice or as a value other
+    than the kept one. Small keys are decoded; values are only compared."""
+    opening = _OPEN.match(original)
+    if opening is None:
+        return False
+    pos, seen = opening.end(), set()
+    if not body:
+        return original[pos:].strip() == b"}"
+    while True:
+        key_match = _KEY.match(original, pos)
+        if key_match is None:
+            return False
+        try:
+            key = json.loads(b'"' + key_match.group(1) + b'"')
+        except ValueError:
+            return False
+        raw = body.get(key)
+        if raw is None or key in seen:
+            return False
+        seen.add(key)
+        value = bytes(raw)
+        end = key_match.end() + len(value)
+        if not original.startswith(value, key_match.end()):
+            return False
+        after = _AFTER_VALUE.match(original, end)
+        if after is None:
+            return False
+        pos = after.end()
+        if after.group(1) == b"}":
+            return pos == len(original) and len(seen) == len(body)
+
+
 def _splice(original: bytes, body: dict[str, msgspec.Raw], changes: dict[str, bytes]) -> bytes:
     """The client's body with some top-level fields replaced or added; every
     other byte of every value is the client's own."""
@@ -142,6 +193,12 @@ def _splice(original: bytes, body: dict[str, msgspec.Raw], changes: dict[str, by
     return b"{" + b",".join(parts) + b"}"
 
 
+# Answers that say "not now", not "not this": the client's SDK retries them and
+# the same answer would have come without the addon, so they teach nothing.
+TRANSIENT_STATUSES = frozenset({408, 425, 429})
+_ABSENT = object()
+
+
 @dataclass
 class Planner:
     settings: Settings = field(default_factory=Settings)
@@ -149,6 +206,9 @@ class Planner:
     counters: Counters = field(default_factory=Counters)
     unsupported: set[str] = field(default_factory=set)
     no_forced_store: set[str] = field(default_factory=set)
+    # Scopes whose answers echoed a previous_response_id correctly: there, an
+    # answer that omits ``store`` may be taken at the request's word.
+    honours_previous: set[str] = field(default_factory=set)
     digests: DigestCache = field(default_factory=DigestCache, repr=False)
     _secret: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
 
@@ -171,8 +231,8 @@ class Planner:
         and clients vary ``prompt_cache_key`` freely (openai-agents sends a new
         one on every ``Runner.run``), which would make every turn start over.
         The credential (``credential_material``) enters only through a keyed
-        hash with a per-process secret: it is never stored, and the digest
-        cannot be tested offline.
+        hash with a secret: it is never stored, and the digest cannot be tested
+        offline.
         """
         h = blake3(key=self._secret)
         h.update(f"{upstream}\x00{model}\x00".encode("utf-8", "surrogatepass"))
@@ -182,18 +242,30 @@ class Planner:
     @staticmethod
     def credential_material(request: Request) -> bytes:
         """Whatever decides whose stored responses a request can reach: the
-        credential headers and the URL's query string."""
-        parts = [request.headers.get(n, "") for n in CREDENTIAL_HEADERS] + [urlsplit(request.url).query]
+        credential headers, the URL's query string, and the user mitmproxy's
+        proxyauth let in (it removes Proxy-Authorization before addons run)."""
+        parts = [request.headers.get(n, "") for n in CREDENTIAL_HEADERS]
+        parts += [urlsplit(request.url).query, request.proxy_user]
         return "\x00".join(parts).encode("utf-8", "surrogatepass")
 
-    def scope(self, upstream: str, credential: bytes) -> str:
+    def scope(self, upstream: str, credential: bytes) -> tuple[str, str]:
         """Where "does not store" and "refuses a forced store" apply: one
         upstream as seen by one credential. Zero data retention is decided per
         organization, so one such tenant must not switch the addon off for
-        every other tenant of the same upstream. The tag is a keyed hash: it
-        names a credential in logs without revealing it."""
-        tag = blake3(credential, key=self._secret).hexdigest(4)
-        return f"{upstream} (credential #{tag})"
+        every other tenant of the same upstream.
+
+        Returns the scope (a keyed hash) and its label for logs: scheme, host
+        and hash tags, never the path (some gateways take keys there) nor
+        anything of the credential."""
+        upstream_bytes = upstream.encode("utf-8", "surrogatepass")
+        scope = blake3(upstream_bytes + b"\x00" + credential, key=self._secret).hexdigest(16)
+        parts = urlsplit(upstream)
+        host = parts.hostname or "?"
+        if parts.port:
+            host = f"{host}:{parts.port}"
+        upstream_tag = blake3(upstream_bytes, key=self._secret).hexdigest(3)
+        credential_tag = blake3(credential, key=self._secret).hexdigest(4)
+        return scope, f"{parts.scheme}://{host} (upstream #{upstream_tag}, credential #{credential_tag})"
 
     def plan(self, request: Request, *, rewrite: bool = True) -> Plan:
         """Decide what to send. With ``rewrite=False`` (our own retry of a
@@ -215,32 +287,41 @@ class Planner:
         try:
             body = _TOP.decode(request.body)
         except (msgspec.DecodeError, RecursionError):
-            return Plan("pass", "body is not a JSON object", upstream)
+            return self._unreadable(request.body, "body is not a JSON object", upstream, rewrite)
         try:
             model = _field(body, "model")
             client_store = _field(body, "store")
+            client_previous = _field(body, "previous_response_id")
         except msgspec.DecodeError:
             return Plan("pass", "body holds invalid JSON", upstream)
         if not isinstance(model, str):
             return Plan("pass", "no string model", upstream)
         if not s.model_matches(model):
             return Plan("pass", "model not in stateful_models", upstream, model)
-        if _present(body, "previous_response_id"):
-            return Plan("pass", "client sent previous_response_id", upstream, model)
+        credential = self.credential_material(request)
+        scope, label = self.scope(upstream, credential)
+        if client_previous is not None:
+            plan = Plan("pass", "client sent previous_response_id", upstream, model, scope, label)
+            if isinstance(client_previous, str):
+                plan.client_previous_response_id = client_previous
+            return plan
         if _present(body, "conversation"):
             return Plan("pass", "client uses a conversation", upstream, model)
         try:
             raw_items, digests = self._items(body.get("input"))
+            if not _unambiguous_top_level(request.body, body):
+                raise Ambiguous("top level")
+        except Ambiguous:
+            return self._ambiguous(upstream, model, rewrite)
         except (msgspec.DecodeError, ValueError, RecursionError):
-            return Plan("pass", "input is not a list of items or a string", upstream, model)
+            return self._unreadable(request.body, "input is not a list of items or a string", upstream, rewrite,
+                                    model)
         if not digests:
             return Plan("pass", "input has no items", upstream, model)
         if client_store is False and not s.force_store:
             return Plan("pass", "client sent store:false", upstream, model)
-        credential = self.credential_material(request)
-        scope = self.scope(upstream, credential)
         if scope in self.unsupported:
-            return Plan("pass", "upstream does not store responses", upstream, model, scope)
+            return Plan("pass", "upstream does not store responses", upstream, model, scope, label)
 
         root = self.namespace(upstream, model, credential)
         sequence = ItemSequence(root, digests)
@@ -258,6 +339,7 @@ class Planner:
             upstream,
             model,
             scope,
+            label,
             sequence=sequence,
             items_total=len(digests),
             items_sent=len(digests),
@@ -286,6 +368,20 @@ class Planner:
             self._count(plan)
         return plan
 
+    def _ambiguous(self, upstream: str, model: str, rewrite: bool) -> Plan:
+        if rewrite:
+            self.counters.ambiguous += 1
+        return Plan("pass", "ambiguous body", upstream, model)
+
+    def _unreadable(self, body: bytes, reason: str, upstream: str, rewrite: bool, model: str = "") -> Plan:
+        """A body msgspec refused: ambiguous if the standard library reads it
+        (a lone surrogate, say), else simply not what the addon handles."""
+        try:
+            json.loads(body)
+        except (ValueError, RecursionError):
+            return Plan("pass", reason, upstream, model)
+        return self._ambiguous(upstream, model, rewrite)
+
     def _items(self, raw_input: msgspec.Raw | None) -> tuple[list[bytes] | None, list[bytes]]:
         """The input's raw item spans (None for a string input) and their digests."""
         if raw_input is None:
@@ -311,6 +407,10 @@ class Planner:
         ``response`` is the answer's response object (from the JSON body or the
         SSE terminal event), or None when there was none to read.
         """
+        if status_code in TRANSIENT_STATUSES:
+            return Outcome("transient", f"upstream answered {status_code}; nothing learned")
+        if not plan.tracked:
+            return self._observe(plan, status_code, response)
         if status_code >= 400:
             self._forget_parent(plan)
             if 400 <= status_code < 500 and plan.changed:
@@ -321,14 +421,22 @@ class Planner:
             return Outcome("dropped", "no response object in the answer")
         rid = response.get("id")
         status = response.get("status")
-        if plan.action == "continue" and response.get("previous_response_id", plan.previous_response_id) != plan.previous_response_id:
-            self._mark_unsupported(plan.scope)
-            return Outcome("unsupported", "upstream ignored previous_response_id", rid)
+        echoed = response.get("previous_response_id", _ABSENT)
+        if plan.action == "continue" and echoed is not _ABSENT:
+            if echoed != plan.previous_response_id:
+                self._mark_unsupported(plan.scope)
+                return Outcome("unsupported", "upstream ignored previous_response_id", rid)
+            self.honours_previous.add(plan.scope)
         if status != "completed" or not isinstance(rid, str) or not rid:
             self._forget_parent(plan)
             return Outcome("dropped", f"response status {status!r}", rid if isinstance(rid, str) else None)
+        if plan.action == "continue" and echoed is _ABSENT:
+            # An upstream that ignores the field and echoes nothing looks the same.
+            return Outcome("ignored", "the answer does not echo previous_response_id: it proves nothing", rid)
         stored = response.get("store")
         if not isinstance(stored, bool):
+            if plan.scope not in self.honours_previous:
+                return Outcome("ignored", "the answer does not say it stored the response", rid)
             stored = plan.asked_store
         if not stored:
             if plan.asked_store:
@@ -340,9 +448,25 @@ class Planner:
             self._forget_parent(plan)
             return Outcome("dropped", "response output is not a list of items", rid)
         assert plan.sequence is not None
-        digest = plan.sequence.extended(map(item_digest, output)).digests[-1]
+        try:
+            digest = plan.sequence.extended(map(item_digest, output)).digests[-1]
+        except Ambiguous:
+            return Outcome("ignored", "the answer's items read differently in other parsers", rid)
         self.store.remember(digest, plan.items_total + len(output), rid, plan.parent, plan.scope)
         return Outcome("advanced", f"stores {plan.items_total + len(output)} items", rid)
+
+    def _observe(self, plan: Plan, status_code: int, response: Any) -> Outcome:
+        """A client's own continuation: an answer that echoes its
+        previous_response_id shows the upstream honours the field."""
+        if (
+            status_code < 400
+            and isinstance(response, dict)
+            and plan.client_previous_response_id is not None
+            and response.get("previous_response_id") == plan.client_previous_response_id
+        ):
+            self.honours_previous.add(plan.scope)
+            return Outcome("ignored", "the upstream honours previous_response_id", response.get("id"))
+        return Outcome("ignored", "client-managed continuation")
 
     def abandon(self, plan: Plan, why: str) -> Outcome:
         """The request failed before any answer (reset, refused, timeout): the

@@ -58,6 +58,7 @@ class Faults:
 
     stateless: str | None = None  # "reject" (llama.cpp) | "ignore" (Ollama)
     echo_store: bool = True  # False: answers omit the ``store`` field
+    echo_previous: bool = True  # False: answers omit the ``previous_response_id`` field
     refuse_store: bool = False  # a zero-data-retention organization
     forget_probability: float = 0.0
     slow_ms: int = 0
@@ -91,7 +92,7 @@ class ResponsesModel:
 
     def control(self, command: dict) -> dict:
         with self._lock:
-            for key in ("stateless", "echo_store", "refuse_store", "forget_probability", "slow_ms", "gzip"):
+            for key in ("stateless", "echo_store", "echo_previous", "refuse_store", "forget_probability", "slow_ms", "gzip"):
                 if key in command:
                     setattr(self.faults, key, command[key])
             if "fail_next" in command:
@@ -255,6 +256,8 @@ class ResponsesModel:
         }
         if status == "failed":
             response["error"] = {"code": "server_error", "message": "The model failed to answer."}
+        if not self.faults.echo_previous:
+            del response["previous_response_id"]
         if self.faults.echo_store:
             response["store"] = store is not False and self.faults.stateless is None and not self.faults.refuse_store
         return response

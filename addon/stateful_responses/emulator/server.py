@@ -30,12 +30,27 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def _read_body(self) -> bytes:
-        length = int(self.headers.get("content-length") or 0)
-        body = self.rfile.read(length) if length else b""
+        if "chunked" in self.headers.get("transfer-encoding", "").lower():
+            body = self._read_chunked()
+        else:
+            length = int(self.headers.get("content-length") or 0)
+            body = self.rfile.read(length) if length else b""
         self.raw_sha256 = hashlib.sha256(body).hexdigest()
         if self.headers.get("content-encoding", "").lower() == "gzip":
             body = gzip.decompress(body)
         return body
+
+    def _read_chunked(self) -> bytes:
+        """A chunked request body, as every real HTTP/1.1 server accepts."""
+        body = bytearray()
+        while True:
+            size = int(self.rfile.readline().split(b";")[0].strip(), 16)
+            if size == 0:
+                while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                    pass  # trailers
+                return bytes(body)
+            body += self.rfile.read(size)
+            self.rfile.readline()
 
     def _send_json(self, status: int, payload: Any, extra: dict | None = None) -> None:
         data = json.dumps(payload).encode()
