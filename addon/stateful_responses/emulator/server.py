@@ -169,29 +169,29 @@ class _Handler(BaseHTTPRequestHandler):
             if kind == "stream_error":
                 events: Iterable[dict] = error_events(response, errors.STREAM_ERROR)
             elif response["background"]:
-                events = self._follow_background(credential, response["id"], obfuscation)
+                events = self._follow_background(credential, response, obfuscation)
             else:
                 events = sse_events(response, fault.get("terminal_event"), obfuscation=obfuscation)
             self._stream(response["id"], events, cut_after=fault.get("after_events") if kind == "cut" else None)
 
-    def _follow_background(self, credential: str, response_id: str, obfuscation: bool) -> Iterator[dict]:
-        """A streamed background response's events, each sent once its state
-        is reached. The stream ends when it finishes, or without a terminal
-        event when it is cancelled or deleted meanwhile."""
-        sent = 0
+    def _follow_background(self, credential: str, queued: dict, obfuscation: bool) -> Iterator[dict]:
+        """A streamed background response's events: created and queued at once,
+        then each later one once its state is reached. The stream ends when it
+        finishes, or without a terminal event when it is cancelled or deleted."""
+        current, sent = queued, 0
         while True:
-            try:
-                current = self.model.retrieve(credential, response_id)
-            except APIError:
-                return
-            if current["status"] == "cancelled":
-                return
             events = background_events(current, obfuscation=obfuscation)
             yield from events[sent:]
             sent = len(events)
             if current["status"] in TERMINAL_EVENT:
                 return
             time.sleep(BACKGROUND_POLL_S)
+            try:
+                current = self.model.retrieve(credential, current["id"])
+            except APIError:
+                return
+            if current["status"] == "cancelled":
+                return
 
     def _reset_connection(self) -> None:
         self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
