@@ -241,22 +241,24 @@ class ResponsesModel:
 
     def _answer(self, body: dict, response_id: str, created_at: int, context: list, fault: dict | None) -> dict:
         """The finished response to ``body`` over ``context``, shaped by a fault."""
-        output = self._generate(body, context)
+        encoded = canonical(context)
+        output = self._generate(body, context, hashlib.sha256(encoded).hexdigest()[:16])
         kind = (fault or {}).get("kind")
         status = {"failed": "failed", "incomplete": "incomplete", "stream_error": "failed"}.get(kind, "completed")
         if status == "failed":
             output = []
         elif status == "incomplete" and output and "status" in output[-1]:
             output[-1]["status"] = "incomplete"  # cut short, as the last item is when the budget runs out
-        usage = _usage(context, output)
+        usage = _usage(len(encoded), output)
         return response_object(body, response_id=response_id, created_at=created_at, status=status, output=output,
                                previous=body.get("previous_response_id"), usage=usage,
                                store=self._store_echo(body.get("store", True)))
 
-    def _generate(self, body: dict, context: list) -> list:
+    def _generate(self, body: dict, context: list, digest: str) -> list:
         """The deterministic model. It calls a tool when the newest user
         message says ``call:NAME({json})`` and NAME is an offered function;
-        otherwise it answers with a digest of exactly the context it saw."""
+        otherwise it answers with ``digest``, the context's: a digest of
+        exactly the context it saw."""
         last = context[-1] if context else {}
         output: list = []
         reasoning_request = body.get("reasoning")
@@ -265,7 +267,7 @@ class ResponsesModel:
             if reasoning_request.get("summary"):
                 reasoning["summary"] = [{"type": "summary_text", "text": f"Read {len(context)} items."}]
             if "reasoning.encrypted_content" in (body.get("include") or []):
-                reasoning["encrypted_content"] = "enc_" + context_digest(context)
+                reasoning["encrypted_content"] = "enc_" + digest
             output.append(reasoning)
         tools = {t.get("name") for t in body.get("tools") or [] if isinstance(t, dict) and t.get("type") == "function"}
         match = CALL_PATTERN.search(_text_of(last)) if last.get("role") == "user" else None
@@ -279,7 +281,7 @@ class ResponsesModel:
                 "name": match.group(1), "arguments": json.dumps(args), "status": "completed",
             })
             return output
-        text = f"I saw {len(context)} items; context digest {context_digest(context)}."
+        text = f"I saw {len(context)} items; context digest {digest}."
         if body.get("instructions"):
             text += f" Instructions digest {hashlib.sha256(str(body['instructions']).encode()).hexdigest()[:8]}."
         output.append({
@@ -377,9 +379,9 @@ class ResponsesModel:
                     "last_id": page[-1]["id"] if page else None, "has_more": len(window) > len(page)}
 
 
-def _usage(context: list, output: list) -> dict:
+def _usage(context_bytes: int, output: list) -> dict:
     """Token counts that grow with what was read and written (about 4 bytes a token)."""
-    input_tokens = len(canonical(context)) // 4
+    input_tokens = context_bytes // 4
     reasoning_tokens = 8 if any(item.get("type") == "reasoning" for item in output) else 0
     output_tokens = len(canonical(output)) // 4 + reasoning_tokens
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
