@@ -147,13 +147,7 @@ class ResponsesModel:
         model = body.get("model")
         if not isinstance(model, str):
             raise errors.missing_model()
-        raw_input = body.get("input", [])
-        if isinstance(raw_input, str):
-            items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": raw_input}]}]
-        elif isinstance(raw_input, list) and all(isinstance(i, dict) for i in raw_input):
-            items = raw_input
-        else:
-            raise errors.invalid_input_type()
+        items = _input_of(body)
         previous = body.get("previous_response_id")
         store = body.get("store", True)
         background = body.get("background") is True
@@ -181,7 +175,7 @@ class ResponsesModel:
         if kind == "stream_error":
             if not body.get("stream"):
                 raise errors.server_error()
-            record["error"] = errors.STREAM_ERROR
+            record["error"] = dict(errors.STREAM_ERROR)
 
         chain = parent.chain if parent else []
         context = chain + items
@@ -377,6 +371,16 @@ class ResponsesModel:
             page = window[-limit:] if "before" in query and "after" not in query else window[:limit]
             return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                     "last_id": page[-1]["id"] if page else None, "has_more": len(window) > len(page)}
+
+
+def _input_of(body: dict) -> list:
+    """The request's input as items; a string is one user message."""
+    raw_input = body.get("input", [])
+    if isinstance(raw_input, str):
+        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": raw_input}]}]
+    if isinstance(raw_input, list) and all(isinstance(i, dict) for i in raw_input):
+        return raw_input
+    raise errors.invalid_input_type()
 
 
 def _usage(context_bytes: int, output: list) -> dict:
