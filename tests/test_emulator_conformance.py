@@ -172,7 +172,8 @@ def test_error_bodies_of_the_other_endpoints_conform(emulator):
     emulator.model.control({"fail_next": [{"kind": "status", "status": 503}]})
     error_conforms(request(emulator, "POST", "/v1/responses", {"model": "m", "input": "x"}), 503)
     with httpx.Client(trust_env=False) as client:
-        answer = client.post(emulator.url + "/v1/responses", content=b"{not json", headers={"authorization": "Bearer k"})
+        answer = client.post(emulator.url + "/v1/responses", content=b"{not json",
+                             headers={"authorization": "Bearer k"})
     error_conforms(answer, 400)
 
 
@@ -241,7 +242,8 @@ def test_errors_use_the_apis_type_names(emulator):
 
 def test_reasoning_effort_minimal_is_echoed_as_the_api_does(emulator):
     assert "reasoning_effort_minimal" in REAL_API_DIFFERENCES
-    answer = request(emulator, "POST", "/v1/responses", {"model": "m", "input": "x", "reasoning": {"effort": "minimal"}})
+    answer = request(emulator, "POST", "/v1/responses",
+                     {"model": "m", "input": "x", "reasoning": {"effort": "minimal"}})
     assert answer.json()["reasoning"]["effort"] == "minimal"
     with pytest.raises(ValidationError) as refused:
         conforms(spec.ResponseResource, answer.text)

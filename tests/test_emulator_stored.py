@@ -50,7 +50,8 @@ def test_an_unstored_response_is_not_found(emulator):
 def test_another_credentials_response_is_not_found(emulator, method, suffix):
     mine = create(emulator, input="x", background=True)
     answer = request(emulator, method, f"/v1/responses/{mine['id']}{suffix}", key="sk-b")
-    assert answer.status_code == 404 and answer.json()["error"]["message"] == f"Response with id '{mine['id']}' not found."
+    assert answer.status_code == 404
+    assert answer.json()["error"]["message"] == f"Response with id '{mine['id']}' not found."
 
 
 def test_delete_forgets_the_response_but_not_what_continued_from_it(emulator):

@@ -211,7 +211,8 @@ class ResponsesModel:
         stored = self._store.get(credential, previous)
         if stored is not None and not stored.continuable:
             stored = None
-        if stored is not None and self.faults.forget_probability and self._rng.random() < self.faults.forget_probability:
+        forget = self.faults.forget_probability
+        if stored is not None and forget and self._rng.random() < forget:
             self._store.pop(credential, previous)
             stored = None
         if stored is None:

@@ -25,7 +25,7 @@ import time
 import zlib
 from collections.abc import Iterable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, urlsplit
 
 from . import errors
@@ -33,9 +33,18 @@ from .errors import APIError
 from .model import ResponsesModel
 from .sse import TERMINAL_EVENT, background_events, encode_event, error_events, sse_events
 
-ROUTE = re.compile(r"^(?:/v1)?/responses(?:/(?P<id>[^/]+)(?P<action>/input_items|/cancel)?)?/?$")
+ROUTE = re.compile(r"^(?:/v1)?/responses(?:/(?P<id>[^/]+)(?:/(?P<action>input_items|cancel))?)?/?$")
 BACKGROUND_POLL_S = 0.01  # how often a streamed background response looks for progress
 PACED_READ_INTERVAL_S = 0.02  # a paced body is read in chunks of this many seconds' worth
+
+
+class Route(NamedTuple):
+    """An API path: its endpoint ("responses", "response", "input_items" or
+    "cancel"), the response id in it, and the query."""
+
+    endpoint: str
+    response_id: str
+    query: dict[str, str]
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -52,13 +61,14 @@ class _Handler(BaseHTTPRequestHandler):
     def _credential(self) -> str:
         return self.headers.get("authorization") or self.headers.get("api-key") or ""
 
-    def _route(self) -> tuple[str | None, str | None, dict[str, str]] | None:
-        """(response id, action, query) for an API path, None for any other."""
+    def _route(self, method: str, *endpoints: str) -> Route:
+        """This request's path, if it names one of ``endpoints``."""
         url = urlsplit(self.path)
         match = ROUTE.match(url.path)
-        if match is None:
-            return None
-        return match["id"], match["action"], dict(parse_qsl(url.query))
+        endpoint = match and ("responses" if match["id"] is None else match["action"] or "response")
+        if endpoint not in endpoints:
+            raise errors.invalid_url(method, self.path)
+        return Route(endpoint, match["id"] or "", dict(parse_qsl(url.query)))
 
     def _read_body(self, rate: int = 0) -> bytes:
         """The request body, read ``rate`` bytes a second when given (a slow
@@ -105,25 +115,20 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/_emulator/log":
             self._send_json(200, self.model.snapshot_log())
             return
-        route = self._route()
         try:
-            if route is None or route[0] is None or route[1] == "/cancel":
-                raise errors.invalid_url("GET", self.path)
-            response_id, action, query = route
-            if action == "/input_items":
-                self._send_json(200, self.model.list_input_items(self._credential(), response_id, query))
+            route = self._route("GET", "response", "input_items")
+            if route.endpoint == "input_items":
+                self._send_json(200, self.model.list_input_items(self._credential(), route.response_id, route.query))
             else:
-                self._send_json(200, self.model.retrieve(self._credential(), response_id))
+                self._send_json(200, self.model.retrieve(self._credential(), route.response_id))
         except APIError as e:
             self._send_error(e)
 
     def do_DELETE(self) -> None:
         self._read_body()
-        route = self._route()
         try:
-            if route is None or route[0] is None or route[1] is not None:
-                raise errors.invalid_url("DELETE", self.path)
-            self._send_json(200, self.model.delete(self._credential(), route[0]))
+            route = self._route("DELETE", "response")
+            self._send_json(200, self.model.delete(self._credential(), route.response_id))
         except APIError as e:
             self._send_error(e)
 
@@ -132,12 +137,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(200, self.model.control(json.loads(self._read_body() or b"{}")))
             return
         body = self._read_body(self.model.faults.read_rate_bytes_per_s)
-        route = self._route()
         try:
-            if route is not None and route[0] is not None and route[1] == "/cancel":
-                self._send_json(200, self.model.cancel(self._credential(), route[0]))
-            elif route is None or route[0] is not None:
-                raise errors.invalid_url("POST", self.path)
+            route = self._route("POST", "responses", "cancel")
+            if route.endpoint == "cancel":
+                self._send_json(200, self.model.cancel(self._credential(), route.response_id))
             else:
                 self._create(body)
         except APIError as e:
