@@ -4,16 +4,52 @@ does when its file or server misbehaves."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import sqlite3
+import stat
+import subprocess
+import sys
+import threading
 
 import pytest
+from harness import ROOT
 from stateful_responses.storage import (
+    DEFAULT_SQLITE_FILE,
+    StorageError,
     StoreSpec,
+    open_storage,
     parse_store_spec,
 )
 from stateful_responses.storage.memory import MemoryStorage
+from stateful_responses.storage.sqlite import SQLiteStorage
 
 LIMITS = {"small": 3}
+# Run in another process: open the store, say "ready", wait for a line on
+# stdin (so that several children act at once), do one thing, print the result.
+CHILD = f"""
+import asyncio, sys
+sys.path.insert(0, {str(ROOT / "addon")!r})
+from stateful_responses.storage import open_storage
+
+async def main(spec, command, *args):
+    storage = open_storage(spec, ".", {{}})
+    try:
+        await storage.open()
+        print("ready", flush=True)
+        sys.stdin.readline()
+        if command == "secret":
+            print((await storage.secret()).hex())
+        elif command == "put":
+            await storage.put("entries", {{bytes.fromhex(args[0]): bytes.fromhex(args[1])}}, ttl=60)
+            print("stored")
+        elif command == "get":
+            print((await storage.get("entries", [bytes.fromhex(args[0])])).get(bytes.fromhex(args[0]), b"").hex())
+    finally:
+        await storage.close()
+
+asyncio.run(main(*sys.argv[1:]))
+"""
 BINARY = {b"": b"", b"\x00": b"\x00\xff", bytes(range(32)): bytes(range(256)), b"\xff" * 32: b"v" * 100_000}
 
 # The option value
@@ -56,9 +92,16 @@ def test_bad_store_values_say_what_is_wrong_without_the_password(value, complain
     assert "hunter2" not in str(error.value)
 
 
+def test_open_storage_builds_the_named_backend(tmp_path):
+    memory = open_storage("memory", str(tmp_path), LIMITS)
+    assert isinstance(memory, MemoryStorage) and memory.name == "memory"
+    assert open_storage("", str(tmp_path), LIMITS).name == f"sqlite:{tmp_path / DEFAULT_SQLITE_FILE}"
+    assert open_storage(f"sqlite:{tmp_path}/other.db", "~", LIMITS).name == f"sqlite:{tmp_path}/other.db"
+
+
 # The contract every backend keeps
 
-BACKENDS = ["memory"]
+BACKENDS = ["memory", "sqlite"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -69,6 +112,8 @@ async def make_storage(request, tmp_path):
     def make(limits=LIMITS, **options):
         if request.param == "memory":
             storage = MemoryStorage(limits, **options)
+        elif request.param == "sqlite":
+            storage = SQLiteStorage(str(tmp_path / "store.sqlite3"), limits, **options)
         made.append(storage)
         return storage
 
@@ -153,3 +198,223 @@ async def test_clear_forgets_every_table_and_the_store_stays_usable(storage):
 async def test_table_names_are_plain(storage, table):
     with pytest.raises(ValueError, match="table names"):
         await storage.get(table, [b"k"])
+
+
+# Other processes
+
+
+def in_other_processes(spec: str, command: str, *args: str, count: int = 1) -> list[str]:
+    """Run CHILD in ``count`` processes that act at the same moment; their outputs."""
+    children = [subprocess.Popen([sys.executable, "-c", CHILD, spec, command, *args], text=True,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                for _ in range(count)]
+    try:
+        for child in children:
+            assert child.stdout.readline() == "ready\n", child.communicate()[1]
+        for child in children:
+            child.stdin.write("go\n")
+            child.stdin.flush()
+        results = [child.communicate(timeout=30) for child in children]
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+    assert all(child.returncode == 0 for child in children), [err for _, err in results]
+    return [out.strip() for out, _ in results]
+
+
+# SQLite
+
+
+@pytest.fixture
+async def sqlite_path(tmp_path):
+    return tmp_path / "store.sqlite3"
+
+
+@pytest.fixture
+async def make_sqlite(sqlite_path):
+    """Builds SQLite stores on one file; closes them all."""
+    made = []
+
+    def make(**options):
+        made.append(SQLiteStorage(str(sqlite_path), LIMITS, **options))
+        return made[-1]
+
+    yield make
+    for storage in made:
+        await storage.close()
+
+
+def test_sqlite_is_named_by_its_absolute_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert SQLiteStorage("state.db").name == f"sqlite:{tmp_path}/state.db"
+
+
+async def test_the_file_and_its_wal_and_shm_are_owner_only_whatever_the_umask(make_sqlite, sqlite_path):
+    previous = os.umask(0)
+    try:
+        storage = make_sqlite()
+        await storage.put("entries", {b"k": b"v"}, ttl=60)
+    finally:
+        os.umask(previous)
+    files = [sqlite_path, sqlite_path.with_name(sqlite_path.name + "-wal"), sqlite_path.with_name(sqlite_path.name + "-shm")]
+    assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in files} == {f.name: 0o600 for f in files}
+    assert sqlite3.connect(sqlite_path).execute("PRAGMA journal_mode").fetchone() == ("wal",)
+
+
+async def test_two_processes_read_what_the_other_wrote(make_sqlite, sqlite_path):
+    storage = make_sqlite()
+    await storage.put("entries", {b"\x01": b"from parent"}, ttl=60)
+    assert in_other_processes(f"sqlite:{sqlite_path}", "get", "01") == [b"from parent".hex()]
+    assert in_other_processes(f"sqlite:{sqlite_path}", "put", "02", b"from child".hex()) == ["stored"]
+    assert await storage.get("entries", [b"\x02"]) == {b"\x02": b"from child"}
+
+
+async def test_processes_creating_one_file_at_once_get_one_secret(make_sqlite, sqlite_path):
+    secrets = in_other_processes(f"sqlite:{sqlite_path}", "secret", count=3)
+    assert len(set(secrets)) == 1
+    assert (await make_sqlite().secret()).hex() == secrets[0]
+
+
+async def test_a_file_locked_by_another_process_fails_within_the_busy_timeout(make_sqlite, sqlite_path):
+    storage = make_sqlite(busy_timeout=0.3)
+    await storage.put("entries", {b"k": b"v"}, ttl=60)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sqlite3, sys; db = sqlite3.connect(sys.argv[1], isolation_level=None); "
+         "db.execute('BEGIN EXCLUSIVE'); print('locked', flush=True); sys.stdin.readline()", str(sqlite_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        with pytest.raises(StorageError, match="locked by another connection"):
+            await asyncio.wait_for(storage.put("entries", {b"k": b"w"}, ttl=60), timeout=10)
+        ticker.cancel()
+        assert ticks >= 10  # the event loop ran while the worker waited for the lock
+        assert await storage.get("entries", [b"k"]) == {b"k": b"v"}  # WAL: readers do not wait
+    finally:
+        holder.communicate("release\n", timeout=10)
+    await storage.put("entries", {b"k": b"w"}, ttl=60)
+    assert await storage.get("entries", [b"k"]) == {b"k": b"w"}
+
+
+async def test_a_corrupt_file_fails_to_open_and_a_replaced_one_opens(make_sqlite, sqlite_path):
+    sqlite_path.write_bytes(os.urandom(64 * 1024))
+    storage = make_sqlite()
+    with pytest.raises(StorageError, match="not a database"):
+        await storage.open()
+    sqlite_path.unlink()
+    await storage.put("entries", {b"k": b"v"}, ttl=60)
+    assert await storage.get("entries", [b"k"]) == {b"k": b"v"}
+
+
+async def test_a_path_under_a_regular_file_cannot_be_created(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    storage = SQLiteStorage(str(tmp_path / "a_file" / "store.sqlite3"))
+    with pytest.raises(StorageError, match=r"cannot open or create the file \(Not a directory\)"):
+        await storage.open()
+    await storage.close()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes read-only files")
+async def test_a_read_only_file_fails_cleanly(make_sqlite, sqlite_path):
+    await make_sqlite().put("entries", {b"k": b"v"}, ttl=60)
+    sqlite_path.chmod(0o400)
+    with pytest.raises(StorageError, match="permission denied|read-only|cannot open"):
+        await make_sqlite().put("entries", {b"k": b"w"}, ttl=60)
+
+
+def test_another_schema_version_is_refused(sqlite_path):
+    sqlite3.connect(sqlite_path).execute("PRAGMA user_version = 99")
+    with pytest.raises(StorageError, match=r"written by another version \(schema 99\)"):
+        asyncio.run(_open_and_close(SQLiteStorage(str(sqlite_path))))
+
+
+async def _open_and_close(storage):
+    try:
+        await storage.open()
+    finally:
+        await storage.close()
+
+
+# A full disk, for real: the child's file size limit (RLIMIT_FSIZE) makes the
+# kernel refuse SQLite's write() mid-transaction, as a full disk does, and
+# SQLite must roll back. (PRAGMA max_page_count would only exercise SQLite's
+# own page counting, never a failed write, and would need a test-only argument.)
+# The kernel says EFBIG where a full disk says ENOSPC, so SQLite reports an I/O
+# error rather than SQLITE_FULL ("disk full"); the recovery is the same.
+DISK_FULL_CHILD = f"""
+import asyncio, json, os, resource, sys
+sys.path.insert(0, {str(ROOT / "addon")!r})
+from stateful_responses.storage import StorageError
+from stateful_responses.storage.sqlite import SQLiteStorage
+
+async def main(path):
+    storage = SQLiteStorage(path)
+    await storage.put("entries", {{b"small": b"v"}}, ttl=60)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, hard))
+    try:
+        await storage.put("entries", {{b"big": os.urandom(1024 * 1024)}}, ttl=60)
+        failure = None
+    except StorageError as error:
+        failure = str(error)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    after_failure = await storage.get("entries", [b"small", b"big"])
+    await storage.put("entries", {{b"big": b"fits now"}}, ttl=60)
+    after_space = await storage.get("entries", [b"small", b"big"])
+    await storage.close()
+    print(json.dumps({{"failure": failure, "after_failure": sorted(k.decode() for k in after_failure),
+                      "after_space": {{k.decode(): v.decode() for k, v in after_space.items()}}}}))
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def test_a_full_disk_fails_the_put_and_the_store_works_once_there_is_room(sqlite_path):
+    child = subprocess.run([sys.executable, "-c", DISK_FULL_CHILD, str(sqlite_path)],
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, child.stderr
+    result = json.loads(child.stdout)
+    assert result["failure"] == f"sqlite:{sqlite_path}: I/O error"
+    assert result["after_failure"] == ["small"]  # the failed put was rolled back whole
+    assert result["after_space"] == {"small": "v", "big": "fits now"}
+
+
+async def test_the_file_stops_growing_at_its_byte_cap(make_sqlite, sqlite_path):
+    cap = 512 * 1024
+    storage = make_sqlite(max_bytes=cap)
+    wal = sqlite_path.with_name(sqlite_path.name + "-wal")
+    largest_wal = 0
+    for n in range(3000):  # 3 MB of values through a 512 KiB file
+        await storage.put("turns", {n.to_bytes(4, "big"): os.urandom(1000)}, ttl=60)
+        largest_wal = max(largest_wal, wal.stat().st_size)
+    assert await storage.get("turns", [(0).to_bytes(4, "big")]) == {}  # the oldest went first
+    assert (2999).to_bytes(4, "big") in await storage.get("turns", [(2999).to_bytes(4, "big")])
+    await storage.close()
+    assert sqlite_path.stat().st_size <= cap * 1.1
+    assert largest_wal <= cap  # journal_size_limit and checkpoints keep the WAL small too
+
+
+async def test_expired_rows_are_swept_from_the_file(make_sqlite, sqlite_path):
+    storage = make_sqlite(sweep_interval=0)
+    await storage.put("entries", {bytes([n]): b"v" for n in range(100)}, ttl=0.05)
+    await asyncio.sleep(0.1)
+    await storage.put("marks", {b"live": b"v"}, ttl=60)
+    rows = sqlite3.connect(sqlite_path).execute("SELECT tbl, count(*) FROM records GROUP BY tbl").fetchall()
+    assert rows == [("marks", 1)]
+
+
+async def test_close_joins_the_worker_thread(make_sqlite):
+    storage = make_sqlite()
+    await storage.put("entries", {b"k": b"v"}, ttl=60)
+    assert any(t.name.startswith("stateful-sqlite") for t in threading.enumerate())
+    await storage.close()
+    assert not any(t.name.startswith("stateful-sqlite") for t in threading.enumerate())
