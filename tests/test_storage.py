@@ -13,7 +13,10 @@ import sys
 import threading
 
 import pytest
+import redis.asyncio
 from harness import ROOT
+from redis.crc import key_slot
+from redis_server import redis_server, start_redis_server  # noqa: F401 (redis_server is a fixture)
 from stateful_responses.storage import (
     DEFAULT_SQLITE_FILE,
     StorageError,
@@ -22,6 +25,7 @@ from stateful_responses.storage import (
     parse_store_spec,
 )
 from stateful_responses.storage.memory import MemoryStorage
+from stateful_responses.storage.redis import RedisStorage
 from stateful_responses.storage.sqlite import SQLiteStorage
 
 LIMITS = {"small": 3}
@@ -97,11 +101,13 @@ def test_open_storage_builds_the_named_backend(tmp_path):
     assert isinstance(memory, MemoryStorage) and memory.name == "memory"
     assert open_storage("", str(tmp_path), LIMITS).name == f"sqlite:{tmp_path / DEFAULT_SQLITE_FILE}"
     assert open_storage(f"sqlite:{tmp_path}/other.db", "~", LIMITS).name == f"sqlite:{tmp_path}/other.db"
+    assert open_storage("rediss://:hunter2@cache.example:6380/2", "~", LIMITS).name == "rediss://cache.example:6380/2"
+    assert open_storage("redis://[::1]", "~", LIMITS).name == "redis://[::1]:6379/0"
 
 
 # The contract every backend keeps
 
-BACKENDS = ["memory", "sqlite"]
+BACKENDS = ["memory", "sqlite", "redis"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -114,6 +120,8 @@ async def make_storage(request, tmp_path):
             storage = MemoryStorage(limits, **options)
         elif request.param == "sqlite":
             storage = SQLiteStorage(str(tmp_path / "store.sqlite3"), limits, **options)
+        else:
+            storage = RedisStorage(request.getfixturevalue("redis_server").url, limits, **options)
         made.append(storage)
         return storage
 
@@ -167,6 +175,19 @@ async def test_a_table_over_its_limit_keeps_its_newest_records(storage):
     await storage.put("small", {bytes([n]): b"w" for n in range(10, 20)}, ttl=60)
     survivors = await storage.scan("small")
     assert len(survivors) == 3 and set(survivors) <= {bytes([n]) for n in range(10, 20)}
+
+
+async def test_thousands_of_records_in_one_call(storage):
+    many = {n.to_bytes(2, "big"): b"v" for n in range(2500)}
+    await storage.put("entries", many, ttl=60)
+    await storage.put("small", many, ttl=60)
+    assert await storage.get("entries", list(many)) == many
+    assert await storage.scan("entries") == many
+    assert len(await storage.scan("small")) == 3
+    await storage.delete("entries", list(many)[:2000])
+    assert len(await storage.scan("entries")) == 500
+    await storage.clear()
+    assert await storage.scan("entries") == {} and await storage.scan("small") == {}
 
 
 async def test_a_table_without_a_limit_gets_the_default_one(make_storage):
@@ -418,3 +439,113 @@ async def test_close_joins_the_worker_thread(make_sqlite):
     assert any(t.name.startswith("stateful-sqlite") for t in threading.enumerate())
     await storage.close()
     assert not any(t.name.startswith("stateful-sqlite") for t in threading.enumerate())
+
+
+# Redis
+
+
+@pytest.fixture
+async def make_redis(redis_server):
+    """Builds Redis stores on one server; closes them all."""
+    made = []
+
+    def make(url=None, **options):
+        made.append(RedisStorage(url or redis_server.url, LIMITS, **options))
+        return made[-1]
+
+    yield make
+    for storage in made:
+        await storage.close()
+
+
+@pytest.fixture
+async def raw_redis(redis_server):
+    """A plain client, to look at what the backend wrote."""
+    client = redis.asyncio.Redis.from_url(redis_server.url)
+    yield client
+    await client.aclose()
+
+
+async def test_two_processes_share_redis_and_one_secret(make_redis, redis_server):
+    storage = make_redis()
+    secrets = in_other_processes(redis_server.url, "secret", count=3)
+    assert len(set(secrets)) == 1
+    assert (await storage.secret()).hex() == secrets[0]
+    assert in_other_processes(redis_server.url, "put", "02", b"from child".hex()) == ["stored"]
+    assert await storage.get("entries", [b"\x02"]) == {b"\x02": b"from child"}
+
+
+async def test_every_key_sits_under_one_hash_tag(make_redis, raw_redis):
+    storage = make_redis()
+    await storage.secret()
+    await storage.put("entries", BINARY, ttl=60)
+    await storage.put("marks", {b"m": b"1"}, ttl=60)
+    keys = await raw_redis.keys("*")
+    assert len(keys) == len(BINARY) + 5  # records, two indexes, the tables set, the secret
+    assert all(key.startswith(b"{stateful-responses}:") for key in keys)
+    assert len({key_slot(key) for key in keys}) == 1  # one Redis Cluster slot
+
+
+async def test_the_index_drops_expired_members_and_expires_itself(make_redis, raw_redis):
+    storage = make_redis()
+    await storage.put("entries", {bytes([n]): b"v" for n in range(50)}, ttl=0.05)
+    await asyncio.sleep(0.1)
+    await storage.put("entries", {b"live": b"v"}, ttl=30)
+    index = b"{stateful-responses}:i:entries"
+    assert await raw_redis.zrange(index, 0, -1) == [b"{stateful-responses}:r:entries:live"]
+    assert 29_000 < await raw_redis.pttl(index) <= 30_000
+
+
+async def test_clear_walks_the_indexes_never_the_keyspace(make_redis, raw_redis):
+    storage = make_redis()
+    await storage.put("entries", BINARY, ttl=60)
+    await storage.put("marks", {b"m": b"1"}, ttl=60)
+    await raw_redis.set(b"someone else's key", b"kept")
+    await raw_redis.config_resetstat()
+    await storage.clear()
+    commands = await raw_redis.info("commandstats")
+    assert not {"cmdstat_scan", "cmdstat_keys"} & set(commands)
+    assert sorted(await raw_redis.keys("*")) == [b"someone else's key"]
+
+
+async def test_a_wrong_password_fails_without_saying_it(tmp_path):
+    server = start_redis_server(tmp_path / "redis", password="right-password")
+    try:
+        storage = RedisStorage(server.url.replace("right-password", "hunter2"))
+        with pytest.raises(StorageError) as error:
+            await storage.open()
+        assert str(error.value) == f"redis://127.0.0.1:{server.port}/0: authentication failed"
+        assert "hunter2" not in repr(error.value.__cause__)
+        await storage.close()
+        storage = RedisStorage(server.url)
+        await storage.put("entries", {b"k": b"v"}, ttl=60)
+        assert await storage.get("entries", [b"k"]) == {b"k": b"v"}
+        await storage.close()
+    finally:
+        server.stop()
+
+
+async def test_a_stopped_server_fails_fast_and_a_restarted_one_works_at_the_next_call(make_redis, redis_server):
+    storage = make_redis()
+    await storage.put("entries", {b"k": b"v"}, ttl=60)
+    redis_server.stop()
+    for operation in (storage.ping(), storage.get("entries", [b"k"]), storage.put("entries", {b"k": b"w"}, ttl=60)):
+        with pytest.raises(StorageError, match=rf"^redis://127.0.0.1:{redis_server.port}/0: unreachable$"):
+            await asyncio.wait_for(operation, timeout=10)
+    redis_server.start()
+    await storage.ping()
+    assert await storage.get("entries", [b"k"]) == {}  # persistence is off: the restarted server is empty
+    await storage.put("entries", {b"k": b"w"}, ttl=60)
+    assert await storage.scan("entries") == {b"k": b"w"}
+
+
+async def test_a_server_that_stops_answering_times_out_then_recovers(make_redis, redis_server):
+    storage = make_redis(timeout=0.3)
+    await storage.put("entries", {b"k": b"v"}, ttl=60)
+    redis_server.pause()
+    try:
+        with pytest.raises(StorageError, match="timed out"):
+            await asyncio.wait_for(storage.get("entries", [b"k"]), timeout=10)
+    finally:
+        redis_server.resume()
+    assert await storage.get("entries", [b"k"]) == {b"k": b"v"}
