@@ -4,6 +4,7 @@ does when its file or server misbehaves."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sqlite3
@@ -26,34 +27,9 @@ from stateful_responses.storage import (
 )
 from stateful_responses.storage.memory import MemoryStorage
 from stateful_responses.storage.redis import RedisStorage
-from stateful_responses.storage.sqlite import SQLiteStorage
+from stateful_responses.storage.sqlite import GET, SQLiteStorage
 
 LIMITS = {"small": 3}
-# Run in another process: open the store, say "ready", wait for a line on
-# stdin (so that several children act at once), do one thing, print the result.
-CHILD = f"""
-import asyncio, sys
-sys.path.insert(0, {str(ROOT / "addon")!r})
-from stateful_responses.storage import open_storage
-
-async def main(spec, command, *args):
-    storage = open_storage(spec, ".", {{}})
-    try:
-        await storage.open()
-        print("ready", flush=True)
-        sys.stdin.readline()
-        if command == "secret":
-            print((await storage.secret()).hex())
-        elif command == "put":
-            await storage.put("entries", {{bytes.fromhex(args[0]): bytes.fromhex(args[1])}}, ttl=60)
-            print("stored")
-        elif command == "get":
-            print((await storage.get("entries", [bytes.fromhex(args[0])])).get(bytes.fromhex(args[0]), b"").hex())
-    finally:
-        await storage.close()
-
-asyncio.run(main(*sys.argv[1:]))
-"""
 BINARY = {b"": b"", b"\x00": b"\x00\xff", bytes(range(32)): bytes(range(256)), b"\xff" * 32: b"v" * 100_000}
 
 # The option value
@@ -160,10 +136,10 @@ async def test_delete_removes_only_the_named_keys(storage):
 
 
 async def test_records_expire_ttl_seconds_after_their_put(storage):
-    await storage.put("entries", {b"short": b"1"}, ttl=0.2)
+    await storage.put("entries", {b"short": b"1"}, ttl=0.5)
     await storage.put("entries", {b"long": b"2"}, ttl=60)
     assert await storage.get("entries", [b"short", b"long"]) == {b"short": b"1", b"long": b"2"}
-    await asyncio.sleep(0.35)
+    await asyncio.sleep(0.7)
     assert await storage.get("entries", [b"short", b"long"]) == {b"long": b"2"}
     assert await storage.scan("entries") == {b"long": b"2"}
 
@@ -224,6 +200,33 @@ async def test_table_names_are_plain(storage, table):
 # Other processes
 
 
+# Run in another process: say "ready", wait for a line on stdin (so that
+# several children act at once), open the store, do one thing, print the result.
+CHILD = f"""
+import asyncio, sys
+sys.path.insert(0, {str(ROOT / "addon")!r})
+from stateful_responses.storage import open_storage
+
+async def main(spec, command, *args):
+    storage = open_storage(spec, ".", {{}})
+    try:
+        print("ready", flush=True)
+        sys.stdin.readline()
+        await storage.open()
+        if command == "secret":
+            print((await storage.secret()).hex())
+        elif command == "put":
+            await storage.put("entries", {{bytes.fromhex(args[0]): bytes.fromhex(args[1])}}, ttl=60)
+            print("stored")
+        elif command == "get":
+            print((await storage.get("entries", [bytes.fromhex(args[0])])).get(bytes.fromhex(args[0]), b"").hex())
+    finally:
+        await storage.close()
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
 def in_other_processes(spec: str, command: str, *args: str, count: int = 1) -> list[str]:
     """Run CHILD in ``count`` processes that act at the same moment; their outputs."""
     children = [subprocess.Popen([sys.executable, "-c", CHILD, spec, command, *args], text=True,
@@ -250,6 +253,12 @@ def in_other_processes(spec: str, command: str, *args: str, count: int = 1) -> l
 @pytest.fixture
 async def sqlite_path(tmp_path):
     return tmp_path / "store.sqlite3"
+
+
+def query(path, sql: str, *parameters) -> list[tuple]:
+    """Look at the file the way another program would."""
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as db:
+        return db.execute(sql, parameters).fetchall()
 
 
 @pytest.fixture
@@ -280,7 +289,7 @@ async def test_the_file_and_its_wal_and_shm_are_owner_only_whatever_the_umask(ma
         os.umask(previous)
     files = [sqlite_path, sqlite_path.with_name(sqlite_path.name + "-wal"), sqlite_path.with_name(sqlite_path.name + "-shm")]
     assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in files} == {f.name: 0o600 for f in files}
-    assert sqlite3.connect(sqlite_path).execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    assert query(sqlite_path, "PRAGMA journal_mode") == [("wal",)]
 
 
 async def test_two_processes_read_what_the_other_wrote(make_sqlite, sqlite_path):
@@ -318,7 +327,7 @@ async def test_a_file_locked_by_another_process_fails_within_the_busy_timeout(ma
         with pytest.raises(StorageError, match="locked by another connection"):
             await asyncio.wait_for(storage.put("entries", {b"k": b"w"}, ttl=60), timeout=10)
         ticker.cancel()
-        assert ticks >= 10  # the event loop ran while the worker waited for the lock
+        assert ticks >= 5  # the event loop ran while the worker waited for the lock
         assert await storage.get("entries", [b"k"]) == {b"k": b"v"}  # WAL: readers do not wait
     finally:
         holder.communicate("release\n", timeout=10)
@@ -348,21 +357,14 @@ async def test_a_path_under_a_regular_file_cannot_be_created(tmp_path):
 async def test_a_read_only_file_fails_cleanly(make_sqlite, sqlite_path):
     await make_sqlite().put("entries", {b"k": b"v"}, ttl=60)
     sqlite_path.chmod(0o400)
-    with pytest.raises(StorageError, match="permission denied|read-only|cannot open"):
+    with pytest.raises(StorageError, match=r"cannot open or create the file \(Permission denied\)"):
         await make_sqlite().put("entries", {b"k": b"w"}, ttl=60)
 
 
-def test_another_schema_version_is_refused(sqlite_path):
-    sqlite3.connect(sqlite_path).execute("PRAGMA user_version = 99")
+async def test_another_schema_version_is_refused(make_sqlite, sqlite_path):
+    query(sqlite_path, "PRAGMA user_version = 99")
     with pytest.raises(StorageError, match=r"written by another version \(schema 99\)"):
-        asyncio.run(_open_and_close(SQLiteStorage(str(sqlite_path))))
-
-
-async def _open_and_close(storage):
-    try:
-        await storage.open()
-    finally:
-        await storage.close()
+        await make_sqlite().open()
 
 
 # A full disk, for real: the child's file size limit (RLIMIT_FSIZE) makes the
@@ -375,7 +377,7 @@ DISK_FULL_CHILD = f"""
 import asyncio, json, os, resource, sys
 sys.path.insert(0, {str(ROOT / "addon")!r})
 from stateful_responses.storage import StorageError
-from stateful_responses.storage.sqlite import SQLiteStorage
+from stateful_responses.storage.sqlite import GET, SQLiteStorage
 
 async def main(path):
     storage = SQLiteStorage(path)
@@ -424,12 +426,18 @@ async def test_the_file_stops_growing_at_its_byte_cap(make_sqlite, sqlite_path):
     assert largest_wal <= cap  # journal_size_limit and checkpoints keep the WAL small too
 
 
+async def test_a_get_finds_each_key_by_the_primary_key_not_by_walking_the_table(make_sqlite, sqlite_path):
+    await make_sqlite().put("entries", {bytes([n]): b"v" for n in range(100)}, ttl=60)
+    plan = query(sqlite_path, "EXPLAIN QUERY PLAN " + GET.format("?, ?"), "entries", 0, b"a", b"b")
+    assert [step[3] for step in plan] == ["SEARCH records USING INDEX sqlite_autoindex_records_1 (tbl=? AND key=?)"]
+
+
 async def test_expired_rows_are_swept_from_the_file(make_sqlite, sqlite_path):
     storage = make_sqlite(sweep_interval=0)
     await storage.put("entries", {bytes([n]): b"v" for n in range(100)}, ttl=0.05)
     await asyncio.sleep(0.1)
     await storage.put("marks", {b"live": b"v"}, ttl=60)
-    rows = sqlite3.connect(sqlite_path).execute("SELECT tbl, count(*) FROM records GROUP BY tbl").fetchall()
+    rows = query(sqlite_path, "SELECT tbl, count(*) FROM records GROUP BY tbl")
     assert rows == [("marks", 1)]
 
 
@@ -493,7 +501,7 @@ async def test_the_index_drops_expired_members_and_expires_itself(make_redis, ra
     await storage.put("entries", {b"live": b"v"}, ttl=30)
     index = b"{stateful-responses}:i:entries"
     assert await raw_redis.zrange(index, 0, -1) == [b"{stateful-responses}:r:entries:live"]
-    assert 29_000 < await raw_redis.pttl(index) <= 30_000
+    assert 20_000 < await raw_redis.pttl(index) <= 30_000
 
 
 async def test_clear_walks_the_indexes_never_the_keyspace(make_redis, raw_redis):

@@ -45,6 +45,9 @@ SCHEMA = (
     END""",
     "CREATE TABLE meta (name TEXT PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID",
 )
+# The unary + keeps SQLite from choosing the expiry index, which would walk
+# every record of the table, over the primary key, which finds each key.
+GET = "SELECT key, value FROM records WHERE tbl = ? AND +expires > ? AND key IN ({})"
 UPSERT = ("INSERT INTO records (tbl, key, value, expires) VALUES (?, ?, ?, ?) "
           "ON CONFLICT (tbl, key) DO UPDATE SET value = excluded.value, expires = excluded.expires")
 DELETE_SOONEST = ("DELETE FROM records WHERE rowid IN "
@@ -60,7 +63,7 @@ SIZE_TARGET = 0.9  # over the byte cap, delete down to this fraction of it: not 
 _FAILURES = {
     sqlite3.SQLITE_BUSY: "locked by another connection",
     sqlite3.SQLITE_LOCKED: "locked by another connection",
-    sqlite3.SQLITE_READONLY: "the file is read-only",
+    sqlite3.SQLITE_READONLY: "read-only (the file or its directory)",
     sqlite3.SQLITE_PERM: "permission denied",
     sqlite3.SQLITE_CANTOPEN: "cannot open the file",
     sqlite3.SQLITE_FULL: "disk full",
@@ -176,13 +179,28 @@ class SQLiteStorage:
             self._disconnect()
 
     def _connect(self) -> sqlite3.Connection:
+        """Open the file, creating it owner-only first. Opening retries while
+        another process holds a lock, up to the busy timeout: switching a new
+        file to WAL answers SQLITE_BUSY at once, without waiting, when several
+        processes open it at the same moment."""
         os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        deadline = time.monotonic() + self._busy_timeout
+        while True:
+            try:
+                return self._open_database()
+            except sqlite3.OperationalError as exc:
+                if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
+
+    def _open_database(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, timeout=self._busy_timeout, isolation_level=None)
         try:
             page_size = db.execute("PRAGMA page_size").fetchone()[0]
             # The WAL holds at most a quarter of the byte cap (up to 8 MiB) between checkpoints.
             wal_bytes = min(8 * 1024 * 1024, self._max_bytes // 4)
-            db.execute("PRAGMA journal_mode = WAL").fetchone()
+            if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                db.execute("PRAGMA journal_mode = WAL").fetchone()
             db.execute("PRAGMA synchronous = NORMAL")
             db.execute(f"PRAGMA journal_size_limit = {wal_bytes}")
             db.execute(f"PRAGMA wal_autocheckpoint = {max(16, wal_bytes // page_size)}")
@@ -219,8 +237,7 @@ class SQLiteStorage:
         for start in range(0, len(keys), MAX_PARAMETERS):
             chunk = keys[start:start + MAX_PARAMETERS]
             found.update(db.execute(
-                f"SELECT key, value FROM records WHERE tbl = ? AND expires > ? AND key IN ({','.join('?' * len(chunk))})",
-                (table, now, *chunk)))
+                GET.format(",".join("?" * len(chunk))), (table, now, *chunk)))
         return found
 
     def _put(self, db: sqlite3.Connection, table: str, records: dict[bytes, bytes], ttl: float) -> None:
@@ -245,8 +262,10 @@ class SQLiteStorage:
             return
         while used > target and (counts := db.execute("SELECT tbl, n FROM counts WHERE n > 0").fetchall()):
             share = 1 - target / used
-            for name, n in counts:
-                db.execute(DELETE_SOONEST, (name, max(1, math.ceil(n * share))))
+            deleted = sum(db.execute(DELETE_SOONEST, (name, max(1, math.ceil(n * share)))).rowcount
+                          for name, n in counts)
+            if not deleted:  # counts that disagree with the rows (a file edited by hand): stop
+                break
             used = self._used_bytes(db)
 
     @staticmethod
