@@ -5,7 +5,8 @@ import sys
 
 from harness import ROOT
 
-CORE = [f"stateful_responses.{m}" for m in ("items", "store", "planner", "sse", "settings")]
+CORE = [f"stateful_responses.{m}" for m in ("items", "store", "planner", "sse", "settings",
+                                             "storage", "storage.memory", "storage.sqlite", "storage.redis")]
 
 
 def test_the_core_imports_without_mitmproxy():
