@@ -5,7 +5,9 @@ import sys
 
 from harness import ROOT
 
-CORE = [f"stateful_responses.{m}" for m in ("items", "store", "planner", "sse", "settings")]
+CORE = [f"stateful_responses.{m}" for m in ("items", "store", "planner", "sse", "settings")] + [
+    f"stateful_responses.protocols.{m}" for m in ("common", "responses", "chat", "anthropic", "gemini")
+]
 
 
 def test_the_core_imports_without_mitmproxy():
