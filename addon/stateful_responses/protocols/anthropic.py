@@ -88,18 +88,17 @@ def _note_absorbed(audit: Audit, seen: set[str]) -> None:
 def _submitted_tool_results(messages: list, normalized: list) -> list[ToolResult]:
     """``tool_result`` blocks after the last assistant message: what this request answers."""
     last = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"), default=-1)
-    names = {}
-    if last >= 0:
-        for block in as_list(messages[last].get("content")):
-            if isinstance(block, dict) and block.get("type") == "tool_use":
-                names[block.get("id")] = block.get("name")
-    results = []
-    for message in normalized[last + 1 :]:
-        for block in as_list(message.get("content")):
-            if isinstance(block, dict) and block.get("type") == "tool_result" and isinstance(block.get("tool_use_id"), str):
-                name = names.get(block["tool_use_id"])
-                results.append(tool_result(block["tool_use_id"], name if isinstance(name, str) else None, block.get("content")))
-    return results
+    names = {
+        block["id"]: block["name"]
+        for block in (as_list(messages[last].get("content")) if last >= 0 else [])
+        if isinstance(block, dict) and isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
+    }
+    return [
+        tool_result(block["tool_use_id"], names.get(block["tool_use_id"]), block.get("content"))
+        for message in normalized[last + 1 :]
+        for block in as_list(message.get("content"))
+        if isinstance(block, dict) and block.get("type") == "tool_result" and isinstance(block.get("tool_use_id"), str)
+    ]
 
 
 def lift_request(url: str, doc: Any) -> LiftedRequest | None:
@@ -155,6 +154,7 @@ class Answer:
             return
         self._message = doc
         self._blocks = as_list(doc.get("content"))
+        self._input_json = {}
         self._stop_reason = doc.get("stop_reason")
 
     def event(self, name: str, data: str) -> None:
@@ -189,6 +189,8 @@ class Answer:
         if not isinstance(block, dict):
             return
         kind, part = block.get("type"), delta.get("type")
+        if not isinstance(kind, str):
+            return
         if part == "text_delta" and kind == "text":
             block["text"] = _text(block.get("text")) + _text(delta.get("text"))
         elif part == "thinking_delta" and kind == "thinking":

@@ -112,17 +112,17 @@ def _note_absorbed(audit: Audit, seen: set[str]) -> None:
 def _submitted_tool_results(messages: list, normalized: list) -> list[ToolResult]:
     """``tool`` messages after the last assistant message: what this request answers."""
     last = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"), default=-1)
-    names: dict[Any, Any] = {}
+    names: dict[str, str] = {}
     if last >= 0:
         for call in as_list(messages[last].get("tool_calls")):
-            if isinstance(call, dict) and isinstance(call.get("function"), dict):
-                names[call.get("id")] = call["function"].get("name")
-    results = []
-    for raw, norm in zip(messages[last + 1 :], normalized[last + 1 :]):
-        if isinstance(raw, dict) and raw.get("role") == "tool" and isinstance(raw.get("tool_call_id"), str):
-            name = names.get(raw["tool_call_id"])
-            results.append(tool_result(raw["tool_call_id"], name if isinstance(name, str) else None, norm.get("content")))
-    return results
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(call.get("id"), str) and isinstance(function.get("name"), str):
+                names[call["id"]] = function["name"]
+    return [
+        tool_result(raw["tool_call_id"], names.get(raw["tool_call_id"]), norm.get("content"))
+        for raw, norm in zip(messages[last + 1 :], normalized[last + 1 :])
+        if isinstance(raw, dict) and raw.get("role") == "tool" and isinstance(raw.get("tool_call_id"), str)
+    ]
 
 
 def lift_request(url: str, doc: Any) -> LiftedRequest | None:

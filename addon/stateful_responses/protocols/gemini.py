@@ -156,10 +156,10 @@ def _call_ids(calls: list[dict]) -> tuple[list[str], bool]:
     Second value: whether any id was made up so."""
     ids, counts, made_up = [], {}, False
     for call in calls:
-        name = call.get("name")
         if isinstance(call.get("id"), str):
             ids.append(call["id"])
             continue
+        name = call.get("name") if isinstance(call.get("name"), str) else ""
         k = counts.get(name, 0)
         counts[name] = k + 1
         ids.append(f"{name}#{k}")

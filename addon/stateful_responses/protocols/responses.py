@@ -43,13 +43,18 @@ def _is_model_item(item: Any) -> bool:
     return kind == "reasoning" or (isinstance(kind, str) and kind.endswith("_call"))
 
 
+def _is_client_call(item: dict) -> bool:
+    kind = item.get("type")
+    return isinstance(kind, str) and kind in CLIENT_CALL_TYPES and isinstance(item.get("call_id"), str)
+
+
 def _submitted_tool_results(items: list) -> list[ToolResult]:
     """``*_call_output`` items after the last model item: what this request answers."""
     last_model = max((i for i, item in enumerate(items) if _is_model_item(item)), default=-1)
     names = {
-        item.get("call_id"): item.get("name")
+        item["call_id"]: item["name"]
         for item in items
-        if isinstance(item, dict) and isinstance(item.get("name"), str)
+        if isinstance(item, dict) and isinstance(item.get("call_id"), str) and isinstance(item.get("name"), str)
     }
     results = []
     for item in items[last_model + 1 :]:
@@ -130,7 +135,9 @@ class Answer:
             return
         if not isinstance(doc, dict):
             return
-        kind = doc.get("type", name)
+        kind = doc.get("type")
+        if not isinstance(kind, str):
+            kind = name
         if kind in RESPONSE_EVENTS and isinstance(doc.get("response"), dict):
             self._response = doc["response"]
         elif kind == "response.output_item.done" and isinstance(doc.get("item"), dict):
@@ -156,7 +163,7 @@ class Answer:
         else:
             audit.note("output", "preserved", "items compared in items.normalize_item's form")
         status = response.get("status")
-        if status not in STATUSES:
+        if not isinstance(status, str) or status not in STATUSES:
             status = STATUS_OF_EVENT.get(self._terminal_event or "", "unknown")
         response_id = response.get("id")
         details = response.get("incomplete_details")
@@ -164,7 +171,7 @@ class Answer:
         pending = [
             item["call_id"]
             for item in output
-            if isinstance(item, dict) and item.get("type") in CLIENT_CALL_TYPES and isinstance(item.get("call_id"), str)
+            if isinstance(item, dict) and _is_client_call(item)
         ]
         return LiftedAnswer(
             protocol=PROTOCOL,
