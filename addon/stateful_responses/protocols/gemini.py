@@ -61,6 +61,8 @@ def matches(path: str) -> bool:
 
 
 def _camel(key: str) -> str:
+    if "_" not in key:
+        return key
     head, *rest = key.split("_")
     return head + "".join(word[:1].upper() + word[1:] for word in rest) if rest and head else key
 
@@ -280,7 +282,8 @@ class Answer:
             content = candidate.get("content")
             if isinstance(content, dict):
                 self._has_content = True
-                self._role = content.get("role", self._role)
+                if isinstance(content.get("role"), str):
+                    self._role = content["role"]
                 self._parts.extend(as_list(content.get("parts")))
             if candidate.get("finishReason"):
                 self._finish_reason = candidate["finishReason"]
