@@ -50,7 +50,8 @@ def test_request_roles_tool_calls_and_results():
 def test_tool_results_before_the_last_assistant_message_are_not_submitted_now():
     lifted = lift("openai-chat", URL, body(messages=[
         {"role": "user", "content": "Hi"},
-        {"role": "assistant", "tool_calls": [{"id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "assistant", "tool_calls": [
+            {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "call_a", "content": "x"},
         {"role": "assistant", "content": "Done."},
         {"role": "user", "content": "Thanks"},
@@ -98,8 +99,10 @@ def test_stream_reassembles_text_reasoning_and_interleaved_tool_call_fragments()
     events = [
         chunk({"role": "assistant", "content": None, "reasoning_content": "Two "}),
         chunk({"reasoning_content": "cities."}),
-        chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": ""}}]}),
-        chunk({"tool_calls": [{"index": 1, "id": "call_b", "type": "function", "function": {"name": "get_weather", "arguments": "{\"ci"}}]}),
+        chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                               "function": {"name": "get_weather", "arguments": ""}}]}),
+        chunk({"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
+                               "function": {"name": "get_weather", "arguments": "{\"ci"}}]}),
         chunk({"tool_calls": [{"index": 0, "function": {"arguments": "{\"city\": \"Paris\"}"}}]}),
         chunk({"tool_calls": [{"index": 1, "function": {"arguments": "ty\": \"Oslo\"}"}}]}),
         chunk({}, "tool_calls"),

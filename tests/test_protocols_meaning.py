@@ -18,7 +18,8 @@ CHAT = ("openai-chat", "http://127.0.0.1/v1/chat/completions", {"model": "m", "m
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Weather in Paris and Oslo?"},
     {"role": "assistant", "content": "Checking.", "reasoning_content": "Two calls.", "tool_calls": [
-        {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"days\": 1}"}},
+        {"id": "call_a", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"days\": 1}"}},
         {"id": "call_b", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
     {"role": "tool", "tool_call_id": "call_a", "content": "sunny"},
     {"role": "tool", "tool_call_id": "call_b", "content": "rain"},
@@ -83,7 +84,8 @@ MEANINGFUL = {
     "chat tool call id": (CHAT, lambda d: tool_calls(d)[0].update(id="call_z")),
     "chat tool name": (CHAT, lambda d: tool_calls(d)[0]["function"].update(name="get_forecast")),
     "chat argument value": (CHAT, lambda d: tool_calls(d)[0]["function"].update(arguments="{\"city\": \"Lyon\", \"days\": 1}")),
-    "chat argument int vs float": (CHAT, lambda d: tool_calls(d)[0]["function"].update(arguments="{\"city\": \"Paris\", \"days\": 1.0}")),
+    "chat argument int vs float": (CHAT, lambda d: tool_calls(d)[0]["function"].update(
+        arguments="{\"city\": \"Paris\", \"days\": 1.0}")),
     "chat tool call order": (CHAT, lambda d: swap(tool_calls(d), 0, 1)),
     "chat result order": (CHAT, lambda d: swap(chat_m(d), 3, 4)),
     "chat result for another call": (CHAT, lambda d: chat_m(d)[3].update(tool_call_id="call_b")),
@@ -149,14 +151,17 @@ def snake_case_result(doc: dict) -> None:
 
 
 MEANINGLESS = {
-    "chat string vs one text part": (CHAT, lambda d: chat_m(d)[1].update(content=[{"type": "text", "text": chat_m(d)[1]["content"]}])),
+    "chat string vs one text part": (CHAT, lambda d: chat_m(d)[1].update(
+        content=[{"type": "text", "text": chat_m(d)[1]["content"]}])),
     "chat nulls and annotations": (CHAT, lambda d: chat_m(d)[2].update(refusal=None, audio=None, annotations=[], parsed=None)),
     "chat stream helper's index and parses": (CHAT, add_stream_helper_fields),
     "chat argument whitespace and key order": (CHAT, lambda d: tool_calls(d)[0]["function"].update(
         arguments="{\"days\":1,\"city\":\"Paris\"}")),
-    "anthropic string vs text block": (ANTHROPIC, lambda d: d["messages"][0].update(content=[{"type": "text", "text": "Weather?"}])),
+    "anthropic string vs text block": (ANTHROPIC, lambda d: d["messages"][0].update(
+        content=[{"type": "text", "text": "Weather?"}])),
     "anthropic dump nulls": (ANTHROPIC, lambda d: anthropic_blocks(d)[3].update(caller=None, toolset_name=None)),
-    "anthropic cache control": (ANTHROPIC, lambda d: d["messages"][2]["content"][0].update(cache_control={"type": "ephemeral"})),
+    "anthropic cache control": (ANTHROPIC, lambda d: d["messages"][2]["content"][0].update(
+        cache_control={"type": "ephemeral"})),
     "anthropic result string vs text block": (ANTHROPIC, lambda d: d["messages"][2]["content"][0].update(
         content=[{"type": "text", "text": "sunny"}])),
     "gemini url-safe signature": (GEMINI, lambda d: model_parts(d)[2].update(thoughtSignature="-_-_AHNpZw==")),
@@ -179,6 +184,7 @@ def test_an_assistants_empty_content_is_no_content():
     protocol, url, doc = CHAT
     calls = doc["messages"][2]["tool_calls"]
     empty, null = ({"model": "m", "messages": [{"role": "assistant", "content": c, "tool_calls": calls}]} for c in ("", None))
-    assert same(lift(protocol, url, json.dumps(empty).encode()).messages, lift(protocol, url, json.dumps(null).encode()).messages)
+    assert same(*(lift(protocol, url, json.dumps(doc).encode()).messages for doc in (empty, null)))
     user = {"model": "m", "messages": [{"role": "user", "content": ""}]}
-    assert lift(protocol, url, json.dumps(user).encode()).messages == [{"role": "user", "content": [{"type": "text", "text": ""}]}]
+    assert lift(protocol, url, json.dumps(user).encode()).messages == [
+        {"role": "user", "content": [{"type": "text", "text": ""}]}]

@@ -110,15 +110,18 @@ REQUESTS = {
         {"type": "function_call_output", "call_id": "c1", "output": "ok"}]},
     "openai-chat": {"model": "m", "messages": [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
-        {"role": "assistant", "content": None, "annotations": [], "parsed": None, "function_call": {"name": "g", "arguments": "{}"},
-         "tool_calls": [{"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}", "parsed_arguments": {}}}]},
+        {"role": "assistant", "content": None, "annotations": [], "parsed": None,
+         "function_call": {"name": "g", "arguments": "{}"},
+         "tool_calls": [{"index": 0, "id": "c1", "type": "function",
+                         "function": {"name": "f", "arguments": "{}", "parsed_arguments": {}}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "ok"}]},
-    "anthropic-messages": {"model": "m", "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
-                           "messages": [
+    "anthropic-messages": {"model": "m", "system": [
+        {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}], "messages": [
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "s"},
                                           {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "ok"}]}]}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "ok"}]}]}]},
     "gemini-chat": {"systemInstruction": {"parts": [{"text": "Be brief."}]}, "cachedContent": "c", "continuationToken": "dG9r",
                     "contents": [
         {"role": "user", "parts": [{"text": "Hi"}, {"inline_data": {"mime_type": "image/png", "data": SIGNATURE}}]},
@@ -126,6 +129,14 @@ REQUESTS = {
         {"role": "model", "parts": [{"functionCall": {"name": "f", "args": {}}, "thoughtSignature": SIGNATURE}]},
         {"role": "user", "parts": [{"functionResponse": {"id": "x", "name": "f", "response": {"r": 1}}}]}]},
 }
+def anthropic_block(index: int, **block) -> tuple:
+    return "content_block_start", {"type": "content_block_start", "index": index, "content_block": block}
+
+
+def anthropic_delta(index: int, **delta) -> tuple:
+    return "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+
+
 ANSWER_EVENTS = {
     "openai-responses": [
         ("response.output_item.done", {"type": "response.output_item.done", "output_index": 0,
@@ -133,19 +144,21 @@ ANSWER_EVENTS = {
         ("response.completed", {"type": "response.completed", "response": {
             "id": "r", "status": "completed", "output": [], "incomplete_details": {"reason": "x"}}})],
     "openai-chat": [
-        ("", {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"role": "assistant", "content": "a"}}]}),
-        ("", {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c", "function": {"name": "f", "arguments": "{"}}]}}]}),
+        ("", {"id": "x", "object": "chat.completion.chunk",
+              "choices": [{"index": 0, "delta": {"role": "assistant", "content": "a"}}]}),
+        ("", {"choices": [{"index": 0, "delta": {
+            "tool_calls": [{"index": 0, "id": "c", "function": {"name": "f", "arguments": "{"}}]}}]}),
         ("", {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]},
                            "finish_reason": "tool_calls"}]})],
     "anthropic-messages": [
         ("message_start", {"type": "message_start", "message": {"id": "m", "role": "assistant", "content": []}}),
-        ("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": ""}}),
-        ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "t"}}),
-        ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "signature_delta", "signature": "s"}}),
-        ("content_block_start", {"type": "content_block_start", "index": 1, "content_block": {"type": "text", "text": ""}}),
-        ("content_block_delta", {"type": "content_block_delta", "index": 1, "delta": {"type": "citations_delta", "citation": {}}}),
-        ("content_block_start", {"type": "content_block_start", "index": 2, "content_block": {"type": "tool_use", "id": "t", "input": {}}}),
-        ("content_block_delta", {"type": "content_block_delta", "index": 2, "delta": {"type": "input_json_delta", "partial_json": "{}"}}),
+        anthropic_block(0, type="thinking", thinking=""),
+        anthropic_delta(0, type="thinking_delta", thinking="t"),
+        anthropic_delta(0, type="signature_delta", signature="s"),
+        anthropic_block(1, type="text", text=""),
+        anthropic_delta(1, type="citations_delta", citation={}),
+        anthropic_block(2, type="tool_use", id="t", input={}),
+        anthropic_delta(2, type="input_json_delta", partial_json="{}"),
         ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "tool_use"}}),
         ("message_stop", {"type": "message_stop"})],
     "gemini-chat": [

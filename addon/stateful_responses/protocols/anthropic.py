@@ -106,7 +106,7 @@ def lift_request(url: str, doc: Any) -> LiftedRequest | None:
         return None
     audit = Audit(PROTOCOL, "request")
     audit.note("messages", "preserved", "the whole conversation")
-    audit.note("continuation", "unsupported", "the Messages API keeps no conversation state: every request resends the history")
+    audit.note("continuation", "unsupported", "the Messages API keeps no conversation state: each request resends it")
     seen: set[str] = set()
     messages = [normalize_message(m, seen) for m in doc["messages"]]
     system = doc.get("system")
@@ -224,7 +224,9 @@ class Answer:
         message = normalize_message({"role": "assistant", "content": self._blocks}, seen)
         _note_absorbed(audit, seen)
         pending = [
-            b["id"] for b in self._blocks if isinstance(b, dict) and b.get("type") == "tool_use" and isinstance(b.get("id"), str)
+            b["id"]
+            for b in self._blocks
+            if isinstance(b, dict) and b.get("type") == "tool_use" and isinstance(b.get("id"), str)
         ]
         response_id = self._message.get("id")
         stop = self._stop_reason

@@ -47,7 +47,7 @@ STATUS_OF_FINISH: dict[str, Status] = {
     "content_filter": "incomplete",
 }
 ABSORBED = {
-    "annotations": ("messages[].annotations", "URL citations about the text: the SDK echoes [] or null; the text is compared"),
+    "annotations": ("messages[].annotations", "citations of the text: the SDK echoes [] or null; the text is compared"),
     "parsed": ("messages[].parsed", "the openai SDK's own parse of content: derived from the content compared"),
     "index": ("messages[].tool_calls[].index", "the SDK's stream position: the list order says the same"),
     "parsed_arguments": (
@@ -130,7 +130,7 @@ def lift_request(url: str, doc: Any) -> LiftedRequest | None:
         return None
     audit = Audit(PROTOCOL, "request")
     audit.note("messages", "preserved", "the whole conversation, system and developer messages in place")
-    audit.note("continuation", "unsupported", "Chat Completions keeps no conversation state: every request resends the history")
+    audit.note("continuation", "unsupported", "Chat Completions keeps no conversation state: each request resends it")
     seen: set[str] = set()
     messages = [normalize_message(m, seen) for m in doc["messages"]]
     _note_absorbed(audit, seen)

@@ -145,11 +145,12 @@ def conversation(contents: list, seen: set[str]) -> list:
 
 def _note_absorbed(audit: Audit, seen: set[str]) -> None:
     if "thoughtSignature" in seen:
-        audit.note("thoughtSignature", "preserved", "compared as the bytes it encodes: google-genai re-encodes it URL-safe")
+        audit.note("thoughtSignature", "preserved", "compared as the bytes it encodes: google-genai sends it URL-safe")
     if "inlineData" in seen:
         audit.note("inlineData.data", "preserved", "compared as the bytes it encodes")
     if "model turn" in seen:
-        audit.note("contents[role=model]", "preserved", "consecutive model contents are one turn: google-genai resends a streamed answer chunk by chunk")
+        audit.note("contents[role=model]", "preserved",
+                   "consecutive model contents are one turn: google-genai resends a streamed answer by chunks")
 
 
 def _call_ids(calls: list[dict]) -> tuple[list[str], bool]:
@@ -197,7 +198,7 @@ def lift_request(url: str, doc: Any) -> LiftedRequest | None:
     endpoint = ENDPOINT.search(path)
     audit = Audit(PROTOCOL, "request")
     audit.note("contents", "preserved", "the whole conversation")
-    audit.note("continuation", "unsupported", "generateContent keeps no conversation state: every request resends the history")
+    audit.note("continuation", "unsupported", "generateContent keeps no conversation state: each request resends it")
     seen: set[str] = set()
     messages = conversation(doc["contents"], seen)
     system = doc.get("systemInstruction", doc.get("system_instruction"))
@@ -208,7 +209,7 @@ def lift_request(url: str, doc: Any) -> LiftedRequest | None:
     cached = doc.get("cachedContent", doc.get("cached_content"))
     if isinstance(cached, str):
         hints["cachedContent"] = cached
-        audit.note("cachedContent", "unsupported", "a server-side cache holds context before these contents; only its name is kept")
+        audit.note("cachedContent", "unsupported", "a server-side cache holds context before these contents")
     token = doc.get("continuationToken", doc.get("continuation_token"))
     if isinstance(token, str):
         hints["continuationTokenDigest"] = digest_hex(_canonical_base64(token))

@@ -86,7 +86,7 @@ def lift_request(url: str, doc: Any) -> LiftedRequest | None:
         audit.note("instructions", "preserved", "kept apart: they apply to this request only, never stored context")
     previous = doc.get("previous_response_id")
     if isinstance(previous, str):
-        audit.note("previous_response_id", "preserved", "server-side continuation: the upstream prepends that response's stored context")
+        audit.note("previous_response_id", "preserved", "server-side continuation: the upstream prepends its context")
     else:
         previous = None
     if doc.get("conversation") is not None:
@@ -159,7 +159,7 @@ class Answer:
         output = response.get("output")
         if not isinstance(output, list) or (not output and self._done_items):
             output = [self._done_items[i] for i in sorted(self._done_items)]
-            audit.note("output", "preserved", "taken from response.output_item.done events: the final response's output was empty")
+            audit.note("output", "preserved", "from response.output_item.done events: the final output was empty")
         else:
             audit.note("output", "preserved", "items compared in items.normalize_item's form")
         status = response.get("status")
