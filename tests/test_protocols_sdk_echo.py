@@ -127,6 +127,36 @@ def test_langchain_openai_chat_echo(stub, streaming):
     assert_continues(before, answer, lift_sent(stub, "openai-chat"))
 
 
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "sse"])
+async def test_openai_agents_chat_completions_model_echo(stub, streamed):
+    """openai-agents rebuilds Chat messages from its own run items."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "sunny"
+
+    client = openai.AsyncOpenAI(base_url=stub.url + "/v1", api_key="sk-test", max_retries=0)
+    agent = agents.Agent(name="weather", instructions="Be brief.", tools=[get_weather],
+                         model=agents.OpenAIChatCompletionsModel(model="gpt-x", openai_client=client))
+    if streamed:
+        answer_bytes = stub.answer_sse(CHAT_STREAM)
+        stub.answer_sse([chat_chunk({"role": "assistant", "content": "Sunny."}), chat_chunk({}, "stop"), "[DONE]"])
+        run = agents.Runner.run_streamed(agent, "Weather?")
+        async for _ in run.stream_events():
+            pass
+    else:
+        answer_bytes = stub.answer_json(CHAT_TOOL_CALL)
+        stub.answer_json(CHAT_TEXT)
+        await agents.Runner.run(agent, "Weather?")
+
+    before, answer = lift_turn(stub, "openai-chat", answer_bytes, streamed, index=0)
+    assert_continues(before, answer, lift_sent(stub, "openai-chat", 1))
+
+
 # --- anthropic-messages --------------------------------------------------------
 
 ANTHROPIC_TOOLS = [{"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
