@@ -188,6 +188,7 @@ def test_the_lifters_read_odd_requests_without_the_safety_net(data):
     """The dispatch's catch-all is a last resort: odd JSON is read, not escaped from."""
     protocol = data.draw(st.sampled_from(PROTOCOLS))
     lifted = MODULES[protocol].lift_request(URLS[protocol], data.draw(mutated(REQUESTS[protocol])))
+    assert lifted is None or isinstance(lifted, LiftedRequest)
     if lifted is not None:
         jsonable(lifted)
 
@@ -218,5 +219,6 @@ def test_the_answer_readers_read_odd_answers_without_the_safety_net(data):
         # Only where openai-python's own accumulator raises (its client then gets no message).
         assert protocol == "openai-chat" and "list delta entry" in str(e)
         return
+    assert lifted is None or isinstance(lifted, LiftedAnswer)
     if lifted is not None:
         jsonable(lifted)
