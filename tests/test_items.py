@@ -75,6 +75,7 @@ def test_reshaped_echoes_are_equal(upstream, echo):
          {"type": "mcp_list_tools", "server_label": "s",
           "tools": [{"name": "t", "input_schema": {"properties": {"x": {}}}}]}),
         ({"type": "new_kind", "id": "x_1", "status": "a"}, {"type": "new_kind", "id": "x_1", "status": "b"}),
+        ({"type": ["odd"], "id": "x_1", "status": "a"}, {"type": ["odd"], "id": "x_1", "status": "b"}),
         (FUNCTION_CALL, {**FUNCTION_CALL, "arguments": '{"city": "Paris", "days": 2.00}'}),
         (FUNCTION_CALL, {**FUNCTION_CALL, "arguments": '{"city": "Paris", "days": 2, "days": 2}'}),
     ],
@@ -82,7 +83,7 @@ def test_reshaped_echoes_are_equal(upstream, echo):
          "int-vs-float", "other-call-id", "other-reasoning", "other-reference", "other-tool-result",
          "typeless-references", "null-type-reference", "reasoning-id", "apply-patch-status",
          "program-output-status", "local-shell-output-id", "mcp-tool-annotations", "mcp-tool-annotations-dropped",
-         "schema-null-default", "unknown-type-status", "argument-decimal-scale", "argument-duplicate-key"],
+         "schema-null-default", "unknown-type-status", "non-string-type", "argument-decimal-scale", "argument-duplicate-key"],
 )
 def test_changes_of_meaning_are_never_equal(a, b):
     assert not same(a, b)

@@ -186,7 +186,7 @@ def test_unfinished_answers_teach_nothing(status):
     outcome = planner.settle(plan, 200, {"id": "resp_1", "status": status, "store": True, "output": assistant_output(1)})
     assert outcome.kind == "dropped"
     assert planner.plan(request(conv + assistant_output(1) + [{"role": "user", "content": "y"}])).action == "full"
-    assert "resp_1" not in str(planner.stats()) and not planner.unsupported
+    assert "resp_1" not in str(planner.stats()) and planner.stats()["unsupported_upstreams"] == 0
 
 
 def test_string_input_starts_a_chain():
@@ -427,3 +427,74 @@ def test_unusual_whitespace_between_top_level_fields_is_not_ambiguous(ws):
     pieces = ["{", '"model"', ":", '"m"', ",", '"input"', ':"x"}']
     body = "".join(p + w for p, w in zip(pieces, ws + [""], strict=True)) + ws[0]
     assert Planner().plan(Request("POST", URL, {}, body.encode())).action == "full"
+
+
+# -- issue 10: what outlives the process -----------------------------------------
+
+def test_what_the_planner_learns_reaches_the_outbox_and_a_fresh_planner_continues_from_it():
+    from stateful_responses.state import ENTRIES, MARKS, entries_found
+
+    first, upstream = Planner(), ReferenceUpstream()
+    conv = [{"role": "user", "content": "x"}]
+    _, response, _ = send(first, upstream, "k", conv, assistant_output(1))
+    writes = first.take_writes()
+    assert [w.table for w in writes] == [ENTRIES] and first.take_writes() == []
+    stored = {w.key: w.value for w in writes}
+
+    # a restart: same secret (the store's), empty memory
+    second = Planner()
+    second.use_secret(first._secret)
+    nxt = conv + response["output"] + [{"role": "user", "content": "y"}]
+    plan = second.plan(request(nxt, "k"))
+    assert plan.action == "full" and plan.forced_store
+    keys = second.lookups(plan)
+    assert keys and set(stored) <= set(keys)
+    second.improve(plan, entries_found({k: stored[k] for k in keys if k in stored}))
+    assert plan.action == "continue" and plan.previous_response_id == response["id"]
+    sent = json.loads(plan.body)
+    assert sent["input"] == nxt[-1:] and sent["store"] is True
+    assert second.counters.continued == 1 and second.counters.full_items == 0
+
+    # a planner with another secret cannot use them
+    third = Planner()
+    plan = third.plan(request(nxt, "k"))
+    third.improve(plan, entries_found(stored))
+    assert plan.action == "full"
+
+    # marks travel too
+    first.settle(first.plan(request(conv, "zdr")), 200,
+                 {"id": "r", "status": "completed", "store": False, "output": assistant_output(1)})
+    marks = {w.key: w.value for w in first.take_writes() if w.table == MARKS}
+    second.marks.load(marks)
+    assert second.plan(request(conv, "zdr")).action == "pass"
+
+
+def test_a_refused_parent_is_deleted_from_the_store_too():
+    planner, upstream = Planner(), ReferenceUpstream()
+    conv = [{"role": "user", "content": "x"}]
+    _, response, _ = send(planner, upstream, "k", conv, assistant_output(1))
+    planner.take_writes()
+    plan = planner.plan(request(conv + response["output"] + [{"role": "user", "content": "y"}], "k"))
+    assert planner.settle(plan, 400, None).kind == "retry"
+    assert [(w.key, w.value) for w in planner.take_writes()] == [(plan.parent, None)]
+
+
+def test_entries_and_marks_expire():
+    now = [1000.0]
+    planner, upstream = Planner(Settings(ttl_days=1), clock=lambda: now[0]), ReferenceUpstream()
+    conv = [{"role": "user", "content": "x"}]
+    _, response, _ = send(planner, upstream, "k", conv, assistant_output(1))
+    nxt = conv + response["output"] + [{"role": "user", "content": "y"}]
+    assert planner.plan(request(nxt, "k")).action == "continue"
+    planner.settle(planner.plan(request(conv, "zdr")), 200,
+                   {"id": "r", "status": "completed", "store": False, "output": assistant_output(1)})
+    assert planner.plan(request(conv, "zdr")).action == "pass"
+    now[0] += 86400
+    assert planner.plan(request(nxt, "k")).action == "full"
+    assert planner.plan(request(conv, "zdr")).action == "full"
+
+
+def test_an_unreadable_stored_record_is_ignored():
+    from stateful_responses.state import entries_found
+
+    assert entries_found({b"k": b"\x00garbage", b"j": b""}) == {}

@@ -17,7 +17,7 @@ import pytest
 import redis.asyncio
 from harness import ROOT
 from redis.crc import key_slot
-from redis_server import redis_server, start_redis_server  # noqa: F401 (redis_server is a fixture)
+from redis_server import start_redis_server
 from stateful_responses.storage import (
     DEFAULT_SQLITE_FILE,
     StorageError,

@@ -144,7 +144,7 @@ def normalize_item(item: Any) -> Any:
         return {**out, "type": "item_reference"}
     if kind is None and "role" in out:
         kind = out["type"] = "message"
-    bookkeeping = TOP_LEVEL_BOOKKEEPING.get(kind, frozenset())
+    bookkeeping = TOP_LEVEL_BOOKKEEPING.get(kind, frozenset()) if isinstance(kind, str) else frozenset()
     out = {k: v for k, v in out.items() if k not in bookkeeping}
     if kind == "message":
         content = out.get("content")

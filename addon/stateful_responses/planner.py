@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -22,7 +23,8 @@ from blake3 import blake3
 
 from .items import Ambiguous, DigestCache, ItemSequence, as_item_list, item_digest
 from .settings import Settings
-from .store import PrefixStore
+from .state import ENTRIES, Marks, MarkKind, StoredEntry, Write, encode_entry
+from .store import Match, PrefixStore
 
 Action = Literal["pass", "full", "continue"]
 
@@ -68,6 +70,7 @@ class Plan:
     forced_store: bool = False  # we set store: true where the client had not
     client_bytes: int = 0
     client_previous_response_id: str | None = None  # the client's own continuation, watched for its echo
+    draft: _Draft | None = field(default=None, repr=False)  # what improving the plan from the store needs
 
     @property
     def changed(self) -> bool:
@@ -82,6 +85,18 @@ class Plan:
         """An answer worth reading: a tracked request's, or a client's own
         continuation's (its echo proves the upstream honours the field)."""
         return self.tracked or self.client_previous_response_id is not None
+
+
+@dataclass(frozen=True)
+class _Draft:
+    """A full or continued plan's parsed request, kept so that a deeper stored
+    prefix read from the backing store can still improve it."""
+
+    request_body: bytes
+    fields: dict[str, msgspec.Raw]
+    raw_items: list[bytes] | None
+    force_store: bool
+    memory_depth: int  # the length continued from out of memory, 0 for none
 
 
 @dataclass(frozen=True)
@@ -204,13 +219,15 @@ class Planner:
     settings: Settings = field(default_factory=Settings)
     store: PrefixStore = field(init=False)
     counters: Counters = field(default_factory=Counters)
-    unsupported: set[str] = field(default_factory=set)
-    no_forced_store: set[str] = field(default_factory=set)
-    # Scopes whose answers echoed a previous_response_id correctly: there, an
-    # answer that omits ``store`` may be taken at the request's word.
-    honours_previous: set[str] = field(default_factory=set)
+    # What the addon learned per upstream + credential: "unsupported" (does not
+    # store), "no_forced_store" (refuses a forced store), "honours_previous"
+    # (echoed a previous_response_id correctly: there, an answer that omits
+    # ``store`` may be taken at the request's word).
+    marks: Marks = field(default_factory=Marks)
     digests: DigestCache = field(default_factory=DigestCache, repr=False)
+    clock: Callable[[], float] = field(default=time.time, repr=False)
     _secret: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
+    _outbox: list[Write] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.store = PrefixStore(self.settings.max_chains)
@@ -219,6 +236,30 @@ class Planner:
         if settings.max_chains != self.settings.max_chains:
             self.store = PrefixStore(settings.max_chains)
         self.settings = settings
+
+    def use_secret(self, secret: bytes) -> None:
+        """Hash with the backing store's secret from now on, so that every
+        process sharing the store names sequences and scopes alike. What was
+        learned under another secret is unreachable and is dropped."""
+        if secret != self._secret:
+            self._secret = secret
+            self.store.clear()
+            self.marks.clear()
+
+    def take_writes(self) -> list[Write]:
+        """What must reach the backing store, oldest first (the outbox empties)."""
+        writes, self._outbox = self._outbox, []
+        return writes
+
+    @property
+    def ttl(self) -> float:
+        return self.settings.ttl_days * 86400.0
+
+    def _mark(self, kind: MarkKind, scope: str) -> bool:
+        write = self.marks.add(kind, scope, self.clock(), self.ttl)
+        if write is not None:
+            self._outbox.append(write)
+        return write is not None
 
     def namespace(self, upstream: str, model: str, credential: bytes) -> bytes:
         """The root digest that every stored sequence of one namespace hangs from.
@@ -320,7 +361,8 @@ class Planner:
             return Plan("pass", "input has no items", upstream, model)
         if client_store is False and not s.force_store:
             return Plan("pass", "client sent store:false", upstream, model)
-        if scope in self.unsupported:
+        now = self.clock()
+        if self.marks.has("unsupported", scope, now):
             return Plan("pass", "upstream does not store responses", upstream, model, scope, label)
 
         root = self.namespace(upstream, model, credential)
@@ -330,7 +372,7 @@ class Planner:
             rewrite
             and s.force_store
             and client_store is not True
-            and scope not in self.no_forced_store
+            and not self.marks.has("no_forced_store", scope, now)
         )
         asked_store = client_store is True or force
         plan = Plan(
@@ -349,24 +391,58 @@ class Planner:
         )
         if not asked_store:
             plan.reason = "full; the request does not ask to store"
-        match = self.store.deepest(prefixes) if rewrite else None
+        if not rewrite:
+            return plan
+        match = self.store.deepest(prefixes, now)
+        plan.draft = _Draft(request.body, body, raw_items, force, match.length if match else 0)
+        self._shape(plan, match)
+        self._count(plan)
+        return plan
+
+    def _shape(self, plan: Plan, match: Match | None) -> None:
+        """Write the plan's body: continued from ``match``, or full."""
+        draft = plan.draft
+        assert draft is not None
         changes: dict[str, bytes] = {}
         if match is not None:
-            assert raw_items is not None  # a string input is one item and never extends anything
-            changes["input"] = b"[" + b",".join(raw_items[match.length :]) + b"]"
+            assert draft.raw_items is not None  # a string input is one item and never extends anything
+            changes["input"] = b"[" + b",".join(draft.raw_items[match.length :]) + b"]"
             changes["previous_response_id"] = json.dumps(match.response_id).encode()
             plan.action = "continue"
             plan.reason = f"extends {match.response_id}"
             plan.previous_response_id = match.response_id
             plan.parent = match.digest
-            plan.items_sent = len(digests) - match.length
-        if force:
+            plan.items_sent = plan.items_total - match.length
+        if draft.force_store:
             changes["store"] = b"true"
-        if changes:
-            plan.body = _splice(request.body, body, changes)
-        if rewrite:
+        plan.body = _splice(draft.request_body, draft.fields, changes) if changes else None
+
+    def lookups(self, plan: Plan) -> list[bytes]:
+        """Entries the backing store may hold that would continue ``plan``
+        from deeper than memory can: every prefix deeper than memory's match
+        (one round trip). Empty when memory already has the deepest possible."""
+        if plan.draft is None or plan.draft.raw_items is None or plan.sequence is None:
+            return []
+        prefixes = plan.sequence.digests
+        return prefixes[plan.draft.memory_depth : len(prefixes) - 1]
+
+    def improve(self, plan: Plan, found: Mapping[bytes, StoredEntry]) -> None:
+        """Continue ``plan`` from the deepest entry the backing store had
+        (another process learned it, or this one before a restart)."""
+        if not found or plan.sequence is None:
+            return
+        now, prefixes = self.clock(), plan.sequence.digests
+        for k in range(len(prefixes) - 1, 0, -1):
+            entry = found.get(prefixes[k - 1])
+            if entry is None or entry.length != k or entry.scope != plan.scope or entry.expires <= now:
+                continue
+            if plan.parent is not None and k <= (plan.draft.memory_depth if plan.draft else 0):
+                return  # memory's match is as deep
+            self.store.remember(prefixes[k - 1], k, entry.response_id, None, entry.scope, entry.expires)
+            self._uncount(plan)
+            self._shape(plan, Match(prefixes[k - 1], entry.response_id, k))
             self._count(plan)
-        return plan
+            return
 
     def _ambiguous(self, upstream: str, model: str, rewrite: bool) -> Plan:
         if rewrite:
@@ -391,15 +467,18 @@ class Planner:
         raw_items = [bytes(r) for r in _ITEMS.decode(raw_input)]
         return raw_items, self.digests.digests(raw_items)
 
-    def _count(self, plan: Plan) -> None:
+    def _count(self, plan: Plan, sign: int = 1) -> None:
         c = self.counters
         if plan.action == "continue":
-            c.continued += 1
-            c.delta_items += plan.items_sent
+            c.continued += sign
+            c.delta_items += sign * plan.items_sent
         else:
-            c.full_items += plan.items_sent
+            c.full_items += sign * plan.items_sent
         if plan.body is not None:
-            c.bytes_saved += plan.client_bytes - len(plan.body)
+            c.bytes_saved += sign * (plan.client_bytes - len(plan.body))
+
+    def _uncount(self, plan: Plan) -> None:
+        self._count(plan, -1)
 
     def settle(self, plan: Plan, status_code: int, response: Any) -> Outcome:
         """Learn from the upstream's answer to a planned request.
@@ -426,7 +505,7 @@ class Planner:
             if echoed != plan.previous_response_id:
                 self._mark_unsupported(plan.scope)
                 return Outcome("unsupported", "upstream ignored previous_response_id", rid)
-            self.honours_previous.add(plan.scope)
+            self._mark("honours_previous", plan.scope)
         if status != "completed" or not isinstance(rid, str) or not rid:
             self._forget_parent(plan)
             return Outcome("dropped", f"response status {status!r}", rid if isinstance(rid, str) else None)
@@ -435,7 +514,7 @@ class Planner:
             return Outcome("ignored", "the answer does not echo previous_response_id: it proves nothing", rid)
         stored = response.get("store")
         if not isinstance(stored, bool):
-            if plan.scope not in self.honours_previous:
+            if not self.marks.has("honours_previous", plan.scope, self.clock()):
                 return Outcome("ignored", "the answer does not say it stored the response", rid)
             stored = plan.asked_store
         if not stored:
@@ -452,7 +531,9 @@ class Planner:
             digest = plan.sequence.extended(map(item_digest, output)).digests[-1]
         except Ambiguous:
             return Outcome("ignored", "the answer's items read differently in other parsers", rid)
-        self.store.remember(digest, plan.items_total + len(output), rid, plan.parent, plan.scope)
+        length, expires = plan.items_total + len(output), self.clock() + self.ttl
+        self.store.remember(digest, length, rid, plan.parent, plan.scope, expires)
+        self._outbox.append(Write(ENTRIES, digest, encode_entry(StoredEntry(rid, length, plan.scope, expires)), self.ttl))
         return Outcome("advanced", f"stores {plan.items_total + len(output)} items", rid)
 
     def _observe(self, plan: Plan, status_code: int, response: Any) -> Outcome:
@@ -464,7 +545,7 @@ class Planner:
             and plan.client_previous_response_id is not None
             and response.get("previous_response_id") == plan.client_previous_response_id
         ):
-            self.honours_previous.add(plan.scope)
+            self._mark("honours_previous", plan.scope)
             return Outcome("ignored", "the upstream honours previous_response_id", response.get("id"))
         return Outcome("ignored", "client-managed continuation")
 
@@ -477,6 +558,7 @@ class Planner:
     def _forget_parent(self, plan: Plan) -> None:
         if plan.parent is not None:
             self.store.forget(plan.parent)
+            self._outbox.append(Write(ENTRIES, plan.parent, None))
 
     def retried(self, plan: Plan, status_code: int) -> None:
         """Our retry with the client's original body got ``status_code``. If
@@ -485,16 +567,18 @@ class Planner:
         organization): never force it there again. If the original failed too,
         the refusal was the request's own and proves nothing."""
         if plan.action == "full" and plan.forced_store and status_code < 400:
-            self.no_forced_store.add(plan.scope)
+            self._mark("no_forced_store", plan.scope)
 
     def _mark_unsupported(self, scope: str) -> None:
-        if scope not in self.unsupported:
-            self.unsupported.add(scope)
+        if self._mark("unsupported", scope):
             self.counters.unsupported_upstreams += 1
         self.store.forget_scope(scope)
 
     def clear(self) -> None:
+        """Forget everything learned (the glue clears the backing store)."""
         self.store.clear()
+        self.marks.clear()
+        self._outbox.clear()
 
     def stats(self) -> dict[str, int]:
         return {**vars(self.counters), "branches": self.store.branch_count}

@@ -119,7 +119,7 @@ def _check_redis_url(url: str, scheme: str) -> None:
         raise ValueError(f"the {scheme}:// URL takes no query or fragment")
 
 
-def open_storage(spec: str, confdir: str, limits: Mapping[str, int]) -> Storage:
+def open_storage(spec: str, confdir: str, limits: Mapping[str, int], *, max_bytes: int = 512 * 1024 * 1024) -> Storage:
     """The backend the option value names, built but not yet connected
     (``await storage.open()``). Raises ValueError for a bad value."""
     parsed = parse_store_spec(spec)
@@ -132,7 +132,7 @@ def open_storage(spec: str, confdir: str, limits: Mapping[str, int]) -> Storage:
         from .sqlite import SQLiteStorage
 
         path = parsed.path or os.path.join(os.path.expanduser(confdir), DEFAULT_SQLITE_FILE)
-        return SQLiteStorage(path, limits)
+        return SQLiteStorage(path, limits, max_bytes=max_bytes)
     from .redis import RedisStorage
 
     assert parsed.url is not None
