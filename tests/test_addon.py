@@ -35,7 +35,7 @@ class Glue:
 
     def __init__(self, **options) -> None:
         self.addons = make_addons()
-        self.options, self.state, self.forward = self.addons
+        self.options, self.state, self.emulation, self.forward, self.replays = self.addons
         self.planner = self.forward.planner
         self._options = {"stateful_store": "memory", **options}
 
@@ -76,7 +76,7 @@ def stream_through(addon, flow, data: bytes, chunk: int = 7) -> bytes:
 async def test_a_conversation_is_continued_and_traced_on_the_flow(caplog):
     caplog.set_level("INFO")
     async with Glue(stateful_debug=True) as addon:
-        tctx = addon.tctx
+
         first = [{"role": "user", "content": "hello"}]
         answer = {"id": "resp_1", "status": "completed", "store": True, "output": UPSTREAM_OUTPUT}
         f = responses_flow({"model": "m", "input": first}, answer)
@@ -135,7 +135,7 @@ async def test_other_traffic_is_not_touched_and_leaves_no_trace():
 
 async def test_disabled_touches_nothing():
     async with Glue(stateful_enabled=False) as addon:
-        tctx = addon.tctx
+
         f = responses_flow({"model": "m", "input": "hello"})
         before = f.request.raw_content
         await addon.request(f)
@@ -144,15 +144,15 @@ async def test_disabled_touches_nothing():
 
 async def test_commands_stats_and_clear():
     async with Glue() as addon:
-        tctx = addon.tctx
+        commands = addon.tctx.master.commands
         answer = {"id": "resp_1", "status": "completed", "store": True, "output": UPSTREAM_OUTPUT}
         f = responses_flow({"model": "m", "input": "hello"}, answer)
         await addon.request(f)
         await addon.response(f)
-        stats = tctx.master.commands.call("stateful.stats")
+        stats = commands.call("stateful.stats")
         assert "requests=1" in stats and "branches=1" in stats
-        tctx.master.commands.call("stateful.clear")
-        assert "branches=0" in tctx.master.commands.call("stateful.stats")
+        commands.call("stateful.clear")
+        assert "branches=0" in commands.call("stateful.stats")
 
 
 def test_reloading_the_entry_script_reloads_the_package():

@@ -173,7 +173,7 @@ async def test_retrieve_shapes():
                                                    "content": [{"type": "input_text", "text": "x"}]})],
                     stored_upstream=True)
     turn = await recorder.turn(ALICE, "resp_1", records.get)
-    output = await recorder._items(ALICE, turn.body.output, records.get, "resp_1")
+    output = await recorder.output_items(ALICE, turn, records.get)
     whole = json.loads(response_json(turn, output))
     assert whole == answer(1)
     listed = listed_items(await recorder.input_items(ALICE, turn, records.get), "resp_1")

@@ -4,7 +4,6 @@ store failure is invisible to clients."""
 
 from __future__ import annotations
 
-import json
 import resource
 import sqlite3
 import subprocess

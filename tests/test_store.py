@@ -6,7 +6,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 from stateful_responses.store import PrefixStore
 
-
 NOW, FOREVER = 1000.0, float("inf")
 
 

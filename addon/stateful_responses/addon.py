@@ -3,17 +3,24 @@ small addons in one list, see ``mitmproxy/addons/__init__.py``)."""
 
 from __future__ import annotations
 
+from .emulation import StoreEmulation
 from .forward import ForwardMode
+from .glue import Replays
 from .options import Options
 from .planner import Planner
+from .recorder import Recorder
 from .statestore import StateStore
 
 
 def make_addons() -> list:
     planner = Planner()
-    state = StateStore(planner)
+    recorder = Recorder(ttl=planner.ttl)
+    state = StateStore(planner, recorder)
+    replays = Replays(planner.counters)
     return [
-        Options(planner),  # first: parses every option before the others configure
+        Options(planner, recorder),  # first: parses every option before the others configure
         state,
-        ForwardMode(planner, state),
+        StoreEmulation(planner, state, recorder, replays),  # before forward mode: it plans the expanded body
+        ForwardMode(planner, state, replays),
+        replays,  # last: its collector wraps the others' taps
     ]

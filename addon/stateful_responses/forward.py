@@ -10,26 +10,29 @@ client's request through untouched.
 from __future__ import annotations
 
 import asyncio
-import html
 import logging
-import os
-import sys
-import traceback
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from mitmproxy import command, ctx, http, version
+from mitmproxy import command, ctx, http
 from mitmproxy.utils import human
 
-from .planner import TRANSIENT_STATUSES, Outcome, Plan, Planner, Request, plan_summary, upstream_of
+from .glue import HELD, RETRY_OF, Replays, hold, internal_error, request_of
+from .planner import (
+    TRANSIENT_STATUSES,
+    Outcome,
+    Plan,
+    Planner,
+    plan_summary,
+    upstream_of,
+)
+from .sse import AnswerReader
 from .state import REFS
 from .statestore import StateStore
-from .sse import AnswerReader
 from .view import CLIENT_BODY, META, register, unregister
 
 logger = logging.getLogger(__name__)
 
-RETRY_OF = "stateful_retry_of"  # flow.metadata key marking our own retry
 MAX_PENDING = 10_000
 # Request bodies the addon may rewrite are kept whole up to this size even when
 # mitmproxy's stream_large_bodies would stream them past every addon.
@@ -65,15 +68,6 @@ def _metadata(plan: Plan, outcome: Outcome | None = None) -> dict:
     return data
 
 
-def _bad_gateway(why: str) -> http.Response:
-    """The answer mitmproxy itself gives when the upstream connection fails."""
-    body = (f"<html><head><title>502 Bad Gateway</title></head><body><h1>502 Bad Gateway</h1>"
-            f"<p>{html.escape(why)}</p></body></html>").encode()
-    return http.Response.make(
-        502, body, {"Server": version.MITMPROXY, "Connection": "close", "Content-Type": "text/html"}
-    )
-
-
 def _reader_for(response: http.Response) -> AnswerReader:
     length = response.headers.get("content-length", "")
     return AnswerReader(
@@ -87,11 +81,11 @@ class ForwardMode:
     """Forward mode: full-history requests continued with previous_response_id
     when, and only when, the upstream provably stored the prefix."""
 
-    def __init__(self, planner: Planner, state: StateStore) -> None:
+    def __init__(self, planner: Planner, state: StateStore, replays: Replays) -> None:
         self.planner = planner
         self.state = state
+        self.replays = replays
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
-        self._retry_bodies: dict[str, bytearray | None] = {}  # our retries' answers, by the retry's flow id
         self._view = None
 
     # -- hooks ---------------------------------------------------------------
@@ -191,7 +185,7 @@ class ForwardMode:
         flow.marked = MARKS.get(plan.action, "")
         if pending.original is None:
             pending.original = flow.request.copy()
-            flow.metadata[CLIENT_BODY] = pending.original.raw_content
+            flow.metadata.setdefault(CLIENT_BODY, pending.original.raw_content)
         self._debug("rewritten %s from the store: %d items, %d new, previous %s", plan.model,
                     plan.items_total, plan.items_sent, plan.previous_response_id)
         return plan.body
@@ -201,18 +195,7 @@ class ForwardMode:
         instead of the client's, or None to send the client's."""
         retry_of = flow.metadata.get(RETRY_OF)
         client_body = original.raw_content or b""
-        proxy_user = flow.metadata.get("proxyauth")
-        plan = self.planner.plan(
-            Request(
-                method=original.method,
-                url=original.url,
-                headers={k.lower(): v for k, v in original.headers.items()},
-                body=client_body,
-                content_encoding=original.headers.get("content-encoding", ""),
-                proxy_user="\x00".join(map(str, proxy_user)) if isinstance(proxy_user, tuple) else "",
-            ),
-            rewrite=retry_of is None,
-        )
+        plan = self.planner.plan(request_of(flow, original), rewrite=retry_of is None)
         if plan.upstream == "":
             return None  # not a Responses API request: no trace at all
         flow.metadata[META] = _metadata(plan)
@@ -225,7 +208,7 @@ class ForwardMode:
                 self._remember(flow.id, _Pending(plan, None))
             return None
         if plan.body is not None:
-            flow.metadata[CLIENT_BODY] = client_body
+            flow.metadata.setdefault(CLIENT_BODY, client_body)  # store emulation may have set the client's own
         self._remember(flow.id, _Pending(plan, original if plan.body is not None else None))
         if plan.action == "continue":
             self._debug(
@@ -244,17 +227,16 @@ class ForwardMode:
             return
         pending = self._pending.get(flow.id)
         try:
-            if flow.id in self._retry_bodies:
-                self._keep_whole(flow, pending)
-                return
             if pending is None:
                 return
             status = flow.response.status_code
             if 400 <= status < 500 and pending.plan.changed and status not in TRANSIENT_STATUSES:
                 # Buffered, whatever stream_large_bodies says: the response hook
                 # replaces this refusal before the client sees it.
-                flow.response.stream = False
+                hold(flow)
                 return
+            if flow.metadata.get(HELD):
+                return  # another addon of ours holds it back: read whole in the response hook
             reader = pending.reader = _reader_for(flow.response)
             downstream = flow.response.stream
 
@@ -272,22 +254,6 @@ class ForwardMode:
             flow.response.stream = tap
         except Exception:
             self._internal_error("tapping an answer")
-
-    def _keep_whole(self, flow: http.HTTPFlow, pending: _Pending | None) -> None:
-        """Our retry's answer is kept whole for the client's flow. Collected
-        from a stream rather than left to mitmproxy's buffering, which
-        ``stream_large_bodies`` would turn into streaming to nowhere."""
-        assert flow.response is not None
-        body = self._retry_bodies[flow.id] = bytearray()
-        reader = pending.reader = _reader_for(flow.response) if pending is not None else None
-
-        def keep(chunk: bytes) -> bytes:
-            body.extend(chunk)
-            if reader is not None:
-                reader.feed(chunk)
-            return b""
-
-        flow.response.stream = keep
 
     async def response(self, flow: http.HTTPFlow) -> None:
         pending = self._pending.pop(flow.id, None)
@@ -364,43 +330,26 @@ class ForwardMode:
     async def _retry(self, flow: http.HTTPFlow, pending: _Pending) -> None:
         """Send the client's original request once more and give its answer to
         the client instead of the rejection our change caused."""
-        from mitmproxy.addons.clientplayback import ReplayHandler
-
         assert pending.original is not None and flow.response is not None
         rejected = flow.response.status_code
-        counters = self.planner.counters
-        counters.retries += 1
+        self.planner.counters.retries += 1
         self._debug("retrying with the original body after %d", rejected)
-        child = None
-        try:
-            child = flow.copy()
-            child.request = pending.original
-            child.response = None
-            child.error = None
-            child.metadata = {RETRY_OF: flow.id}
-            child.comment = f"retry of {flow.id}: original body after {rejected}"
-            self._retry_bodies[child.id] = None  # responseheaders starts collecting
-            await ReplayHandler(child, ctx.options).replay()
-        except Exception:
-            self._internal_error("retrying a rejected request")
-        body = self._retry_bodies.pop(child.id, None) if child is not None else None
+        answer, failure = await self.replays.send(flow, pending.original, f"original body after {rejected}")
+        flow.response = answer
         flow.marked = ":warning:"
         flow.metadata[META]["retried_after"] = rejected
-        if child is not None and child.response is not None and body is not None:
-            child.response.raw_content = bytes(body)
-            self.planner.retried(pending.plan, child.response.status_code)
+        summary = plan_summary(pending.plan)
+        if failure is None:
+            self.planner.retried(pending.plan, answer.status_code)
             self.state.flush()
-            flow.response = child.response
-            counters.fallbacks += 1
-            flow.comment = f"{plan_summary(pending.plan)}; upstream answered {rejected}, retried with the original body"
-            return
-        # The client must not see the refusal our change caused: its SDK would
-        # not retry a 400. Without the addon its request met this failure, so
-        # it gets what mitmproxy answers a failed connection with.
-        why = str(child.error) if child is not None and child.error else "internal error"
-        flow.response = _bad_gateway(why)
-        flow.comment = (f"{plan_summary(pending.plan)}; upstream answered {rejected}; "
-                        f"the retry with the original body failed ({why}): answered 502")
+            self.planner.counters.fallbacks += 1
+            flow.comment = f"{summary}; upstream answered {rejected}, retried with the original body"
+        else:
+            # Without the addon the client's request met this failure: it gets
+            # what mitmproxy answers a failed connection with (SDKs retry a
+            # 502), never the 400 our change caused (they would not).
+            flow.comment = f"{summary}; upstream answered {rejected}; the retry with the original body failed " \
+                           f"({failure}): answered 502"
 
     def _remember(self, flow_id: str, pending: _Pending) -> None:
         self._pending[flow_id] = pending
@@ -408,18 +357,7 @@ class ForwardMode:
             self._pending.popitem(last=False)
 
     def _internal_error(self, doing: str) -> None:
-        """Log where it broke, never the exception's message: a message can
-        quote request content (a KeyError of a prompt, say)."""
-        self.planner.counters.errors += 1
-        kind, _, tb = sys.exc_info()
-        where = traceback.extract_tb(tb)[-1] if tb else None
-        logger.warning(
-            "stateful-responses: internal error (%s at %s:%s) while %s; flow passed through",
-            kind.__name__ if kind else "?",
-            os.path.basename(where.filename) if where else "?",
-            where.lineno if where else "?",
-            doing,
-        )
+        internal_error(self.planner.counters, doing)
 
     def _debug(self, msg: str, *args) -> None:
         if self.planner.settings.debug:

@@ -13,12 +13,14 @@ from __future__ import annotations
 from mitmproxy import ctx, exceptions
 
 from .planner import Planner
+from .recorder import Recorder
 from .settings import LIST_OPTIONS, OPTIONS, PARSERS, Settings, SettingsError, unknown_names
 
 
 class Options:
-    def __init__(self, planner: Planner) -> None:
+    def __init__(self, planner: Planner, recorder: Recorder) -> None:
         self.planner = planner
+        self.recorder = recorder
         self._errors: list[str] = []
 
     def load(self, loader) -> None:
@@ -68,3 +70,4 @@ class Options:
         except SettingsError as e:
             raise exceptions.OptionsError(str(e)) from None
         self.planner.reconfigure(settings)
+        self.recorder.ttl, self.recorder.max_depth = self.planner.ttl, settings.max_depth

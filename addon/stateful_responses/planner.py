@@ -23,7 +23,16 @@ from blake3 import blake3
 
 from .items import Ambiguous, DigestCache, ItemSequence, as_item_list, item_digest
 from .settings import Settings
-from .state import ENTRIES, REFS, Bounded, Marks, MarkKind, StoredEntry, Write, encode_entry
+from .state import (
+    ENTRIES,
+    REFS,
+    Bounded,
+    MarkKind,
+    Marks,
+    StoredEntry,
+    Write,
+    encode_entry,
+)
 from .store import Match, PrefixStore
 
 Action = Literal["pass", "full", "continue"]
@@ -86,6 +95,22 @@ class Plan:
         """An answer worth reading: a tracked request's, or a client's own
         continuation's (its echo proves the upstream honours the field)."""
         return self.tracked or self.client_previous_response_id is not None
+
+
+@dataclass(frozen=True)
+class Reading:
+    """A request read by the rules every capability shares."""
+
+    upstream: str
+    model: str
+    scope: str
+    label: str
+    credential: bytes
+    fields: dict[str, msgspec.Raw]
+    client_store: Any
+    previous: Any  # previous_response_id as the client sent it (None: absent)
+    raw_items: list[bytes] | None  # None: the input is a string
+    digests: list[bytes]
 
 
 @dataclass(frozen=True)
@@ -192,21 +217,23 @@ def _unambiguous_top_level(original: bytes, body: dict[str, msgspec.Raw]) -> boo
             return pos == len(original) and len(seen) == len(body)
 
 
-def _splice(original: bytes, body: dict[str, msgspec.Raw], changes: dict[str, bytes]) -> bytes:
-    """The client's body with some top-level fields replaced or added; every
-    other byte of every value is the client's own."""
+def splice(original: bytes, body: dict[str, msgspec.Raw], changes: dict[str, bytes | None]) -> bytes:
+    """The client's body with some top-level fields replaced, added or (None)
+    removed; every other byte of every value is the client's own."""
     if not changes.keys() & body.keys():
         # Only new fields (a forced store): insert them before the closing
         # brace rather than copy the whole body field by field.
         end = original.rindex(b"}")
-        extra = b",".join(json.dumps(k).encode() + b":" + v for k, v in changes.items())
+        extra = b",".join(json.dumps(k).encode() + b":" + v for k, v in changes.items() if v is not None)
         view = memoryview(original)
         return b"".join((view[:end], b"," if body else b"", extra, view[end:]))
     parts = []
     for key, raw in body.items():
+        if key in changes and changes[key] is None:
+            continue
         value = changes.pop(key, None)
         parts.append(json.dumps(key).encode() + b":" + (value if value is not None else bytes(raw)))
-    parts += [json.dumps(key).encode() + b":" + value for key, value in changes.items()]
+    parts += [json.dumps(key).encode() + b":" + value for key, value in changes.items() if value is not None]
     return b"{" + b",".join(parts) + b"}"
 
 
@@ -241,6 +268,11 @@ class Planner:
             self.store = PrefixStore(settings.max_chains)
         self.settings = settings
 
+    @property
+    def secret(self) -> bytes:
+        """The keyed-hash secret (the backing store's once connected): never logged."""
+        return self._secret
+
     def use_secret(self, secret: bytes) -> None:
         """Hash with the backing store's secret from now on, so that every
         process sharing the store names sequences and scopes alike. What was
@@ -260,7 +292,7 @@ class Planner:
     def ttl(self) -> float:
         return self.settings.ttl_days * 86400.0
 
-    def _mark(self, kind: MarkKind, scope: str) -> bool:
+    def mark(self, kind: MarkKind, scope: str) -> bool:
         write = self.marks.add(kind, scope, self.clock(), self.ttl)
         if write is not None:
             self._outbox.append(write)
@@ -313,9 +345,11 @@ class Planner:
         credential_tag = blake3(credential, key=self._secret).hexdigest(4)
         return scope, f"{parts.scheme}://{host} (upstream #{upstream_tag}, credential #{credential_tag})"
 
-    def plan(self, request: Request, *, rewrite: bool = True) -> Plan:
-        """Decide what to send. With ``rewrite=False`` (our own retry of a
-        client's original body) nothing is changed, only tracked."""
+    def read(self, request: Request, *, count: bool = True) -> Reading | Plan:
+        """A Responses API request the addon may act on, read; or the plan to
+        leave it alone, with the reason. The same rules for forward mode and
+        store emulation: a body whose meaning depends on the parser is never
+        read (issue 17)."""
         s = self.settings
         if not s.enabled:
             return Plan("pass", "addon disabled")
@@ -326,14 +360,14 @@ class Planner:
             return Plan("pass", "not a /responses endpoint")
         if not s.url_matches(request.url):
             return Plan("pass", "upstream not in stateful_base_urls")
-        if rewrite:
+        if count:
             self.counters.requests += 1
         if request.content_encoding not in ("", "identity"):
             return Plan("pass", "compressed request body", upstream)
         try:
             body = _TOP.decode(request.body)
         except (msgspec.DecodeError, RecursionError):
-            return self._unreadable(request.body, "body is not a JSON object", upstream, rewrite)
+            return self._unreadable(request.body, "body is not a JSON object", upstream, count)
         try:
             model = _field(body, "model")
             client_store = _field(body, "store")
@@ -344,13 +378,6 @@ class Planner:
             return Plan("pass", "no string model", upstream)
         if not s.model_matches(model):
             return Plan("pass", "model not in stateful_models", upstream, model)
-        credential = self.credential_material(request)
-        scope, label = self.scope(upstream, credential)
-        if client_previous is not None:
-            plan = Plan("pass", "client sent previous_response_id", upstream, model, scope, label)
-            if isinstance(client_previous, str):
-                plan.client_previous_response_id = client_previous
-            return plan
         if _present(body, "conversation"):
             return Plan("pass", "client uses a conversation", upstream, model)
         try:
@@ -358,10 +385,30 @@ class Planner:
             if not _unambiguous_top_level(request.body, body):
                 raise Ambiguous("top level")
         except Ambiguous:
-            return self._ambiguous(upstream, model, rewrite)
+            return self._ambiguous(upstream, model, count)
         except (msgspec.DecodeError, ValueError, RecursionError):
-            return self._unreadable(request.body, "input is not a list of items or a string", upstream, rewrite,
+            return self._unreadable(request.body, "input is not a list of items or a string", upstream, count,
                                     model)
+        credential = self.credential_material(request)
+        scope, label = self.scope(upstream, credential)
+        return Reading(upstream, model, scope, label, credential, body, client_store, client_previous,
+                       raw_items, digests)
+
+    def plan(self, request: Request, *, rewrite: bool = True) -> Plan:
+        """Decide what to send. With ``rewrite=False`` (our own retry of a
+        client's original body) nothing is changed, only tracked."""
+        reading = self.read(request, count=rewrite)
+        if isinstance(reading, Plan):
+            return reading
+        s = self.settings
+        upstream, model, scope, label = reading.upstream, reading.model, reading.scope, reading.label
+        body, client_store, raw_items, digests = reading.fields, reading.client_store, reading.raw_items, reading.digests
+        credential = reading.credential
+        if reading.previous is not None:
+            plan = Plan("pass", "client sent previous_response_id", upstream, model, scope, label)
+            if isinstance(reading.previous, str):
+                plan.client_previous_response_id = reading.previous
+            return plan
         if not digests:
             return Plan("pass", "input has no items", upstream, model)
         if client_store is False and not s.force_store:
@@ -458,7 +505,7 @@ class Planner:
             plan.items_sent = plan.items_total - match.length
         if draft.force_store:
             changes["store"] = b"true"
-        plan.body = _splice(draft.request_body, draft.fields, changes) if changes else None
+        plan.body = splice(draft.request_body, draft.fields, changes) if changes else None
 
     def lookups(self, plan: Plan) -> list[bytes]:
         """Entries the backing store may hold that would continue ``plan``
@@ -548,7 +595,7 @@ class Planner:
             if echoed != plan.previous_response_id:
                 self._mark_unsupported(plan.scope)
                 return Outcome("unsupported", "upstream ignored previous_response_id", rid)
-            self._mark("honours_previous", plan.scope)
+            self.mark("honours_previous", plan.scope)
         if status != "completed" or not isinstance(rid, str) or not rid:
             self._forget_parent(plan)
             return Outcome("dropped", f"response status {status!r}", rid if isinstance(rid, str) else None)
@@ -594,7 +641,7 @@ class Planner:
             and plan.client_previous_response_id is not None
             and response.get("previous_response_id") == plan.client_previous_response_id
         ):
-            self._mark("honours_previous", plan.scope)
+            self.mark("honours_previous", plan.scope)
             return Outcome("ignored", "the upstream honours previous_response_id", response.get("id"))
         return Outcome("ignored", "client-managed continuation")
 
@@ -616,10 +663,10 @@ class Planner:
         organization): never force it there again. If the original failed too,
         the refusal was the request's own and proves nothing."""
         if plan.action == "full" and plan.forced_store and status_code < 400:
-            self._mark("no_forced_store", plan.scope)
+            self.mark("no_forced_store", plan.scope)
 
     def _mark_unsupported(self, scope: str) -> None:
-        if self._mark("unsupported", scope):
+        if self.mark("unsupported", scope):
             self.counters.unsupported_upstreams += 1
         self.store.forget_scope(scope)
 
@@ -643,4 +690,4 @@ def plan_summary(plan: Plan) -> str:
     return f"passed: {plan.reason}"
 
 
-__all__ = ["Planner", "Plan", "Request", "Outcome", "plan_summary", "upstream_of"]
+__all__ = ["Planner", "Plan", "Reading", "Request", "Outcome", "plan_summary", "splice", "upstream_of"]

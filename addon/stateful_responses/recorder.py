@@ -46,9 +46,9 @@ class Recorder:
     ttl: float
     max_depth: int = 1000
     clock: Callable[[], float] = field(default=time.time, repr=False)
-    turns: _Bounded = field(default_factory=lambda: Bounded(4096), repr=False)  # turn key -> record
-    items: _Bounded = field(default_factory=lambda: Bounded(65536), repr=False)  # item key -> item JSON
-    inputs: _Bounded = field(default_factory=lambda: Bounded(4096), repr=False)  # (tenant, input digest) -> id
+    turns: Bounded = field(default_factory=lambda: Bounded(4096), repr=False)  # turn key -> record
+    items: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)  # item key -> item JSON
+    inputs: Bounded = field(default_factory=lambda: Bounded(4096), repr=False)  # (tenant, input digest) -> id
     _outbox: list[Write] = field(default_factory=list, repr=False)
 
     def take_writes(self) -> list[Write]:
@@ -144,6 +144,9 @@ class Recorder:
             keys += await self._input_keys(tenant, turn, get, previous_response_id)
             keys += turn.body.output
         return await self._items(tenant, keys, get, previous_response_id)
+
+    async def output_items(self, tenant: Tenant, turn: Turn, get: GetRecords) -> list[bytes]:
+        return await self._items(tenant, list(turn.body.output), get, turn.body.response_id)
 
     async def input_items(self, tenant: Tenant, turn: Turn, get: GetRecords) -> list[bytes]:
         """The input a turn's request carried, as the client sent it."""

@@ -66,6 +66,15 @@ def _check_models(name: str, models: tuple[str, ...]) -> tuple[str, ...]:
     return models
 
 
+EMULATE_MODES = ("off", "auto", "always")
+
+
+def parse_emulate(name: str, value: object) -> str:
+    if isinstance(value, str) and value.strip().lower() in EMULATE_MODES:
+        return value.strip().lower()
+    raise SettingsError(f"{name}: expected one of {', '.join(EMULATE_MODES)}, got {value!r}")
+
+
 def parse_store(name: str, value: object) -> str:
     if not isinstance(value, str):
         raise SettingsError(f"{name}: expected sqlite, sqlite:PATH, memory, redis://… or rediss://…")
@@ -100,6 +109,12 @@ OPTIONS: dict[str, tuple[Any, Any, Any, str]] = {
         "or redis://[:password@]host:port/db / rediss://… shared by several proxies.",
     ),
     "stateful_ttl_days": (parse_positive_int, int, 30, "Days before anything remembered expires."),
+    "stateful_emulate": (
+        parse_emulate, str, "off",
+        "Store emulation for clients that send previous_response_id: off, auto (expand the chain when the "
+        "upstream cannot continue it), always (the proxy is the store). Keeps conversation content in the store.",
+    ),
+    "stateful_max_depth": (parse_positive_int, int, 1000, "Deepest previous_response_id chain expanded."),
     "stateful_store_max_mb": (parse_positive_int, int, 512, "Size cap of the SQLite file, in MiB."),
     "stateful_debug": (parse_bool, bool, False, "Log one line per decision."),
 }
@@ -116,6 +131,8 @@ class Settings:
     max_chains: int = 256
     store: str = "sqlite"
     ttl_days: int = 30
+    emulate: str = "off"
+    max_depth: int = 1000
     store_max_mb: int = 512
     debug: bool = False
 

@@ -20,7 +20,8 @@ ENTRIES = "entries"  # sequence digest -> StoredEntry
 REFS = "refs"  # namespace + output item id -> that item's digest (item_reference resolution)
 MARKS = "marks"  # kind + scope -> when it expires
 
-MarkKind = Literal["unsupported", "no_forced_store", "honours_previous"]
+MarkKind = Literal["unsupported", "no_forced_store", "honours_previous", "refuses_previous"]
+MARK_KINDS = frozenset(MarkKind.__args__)  # type: ignore[attr-defined]
 
 
 class Bounded(OrderedDict):
@@ -87,7 +88,8 @@ def _mark_key(kind: MarkKind, scope: str) -> bytes:
 
 class Marks:
     """What the addon learned about an upstream + credential (a scope): that it
-    does not store, refuses a forced store, or honours previous_response_id.
+    does not store, refuses a forced store, honours previous_response_id, or
+    refused (or ignored) a previous_response_id the record held.
     Each mark expires; setting one yields the write that shares it."""
 
     def __init__(self) -> None:
@@ -108,7 +110,7 @@ class Marks:
         """Take in the marks other processes set (a scan of the store)."""
         for key, value in records.items():
             kind, _, scope = key.decode(errors="replace").partition("\x00")
-            if kind in ("unsupported", "no_forced_store", "honours_previous") and len(value) == 8:
+            if kind in MARK_KINDS and len(value) == 8:
                 expires = struct.unpack("!d", value)[0]
                 self._expires[(kind, scope)] = max(expires, self._expires.get((kind, scope), 0.0))
 

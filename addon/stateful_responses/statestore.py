@@ -17,9 +17,10 @@ from collections.abc import Sequence
 from mitmproxy import command, ctx
 
 from .planner import Planner
+from .recorder import Recorder
 from .state import ENTRIES, MARKS, REFS, StoredEntry, Write, entries_found
-from .turns import ITEMS, TURNS
 from .storage import Storage, StorageError, open_storage
+from .turns import ITEMS, TURNS, conflict
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +32,9 @@ READY_WAIT = 2.0  # at start, requests wait this long at most for the store
 
 
 class StateStore:
-    def __init__(self, planner: Planner) -> None:
+    def __init__(self, planner: Planner, recorder: Recorder) -> None:
         self.planner = planner
+        self.recorder = recorder
         self.storage: Storage | None = None
         self.up = False  # connected, secret loaded: reads and writes go to the store
         self._queue: asyncio.Queue[tuple[list[Write], asyncio.Future]] | None = None
@@ -138,13 +140,29 @@ class StateStore:
         self._worked()
         return records
 
+    async def get_strict(self, table: str, keys: Sequence[bytes]) -> dict[bytes, bytes]:
+        """Records among ``keys``; StorageError when the store cannot say
+        (down or slow), so that "not found" is never a guess."""
+        if not keys:
+            return {}
+        if not self.up or self.storage is None:
+            raise StorageError("the state store is unavailable")
+        try:
+            records = await asyncio.wait_for(self.storage.get(table, keys), READ_TIMEOUT)
+        except (StorageError, asyncio.TimeoutError) as e:
+            error = e if isinstance(e, StorageError) else StorageError("read timed out")
+            self._failed(error)
+            raise error from None
+        self._worked()
+        return records
+
     async def entries(self, keys: Sequence[bytes]) -> dict[bytes, StoredEntry]:
         return entries_found(await self.get(ENTRIES, keys))
 
     def flush(self) -> asyncio.Future | None:
         """Queue the planner's outbox for the store; the future is done once
         written (or dropped: the store is down). None when nothing to write."""
-        writes = self.planner.take_writes()
+        writes = self.planner.take_writes() + self.recorder.take_writes()
         if not writes or self._queue is None:
             return None
         done = asyncio.get_running_loop().create_future()
@@ -177,6 +195,7 @@ class StateStore:
     def clear(self) -> None:
         """Forget everything the addon learned, in memory and in the store."""
         self.planner.clear()
+        self.recorder.clear()
         if self.up and self.storage is not None:
             asyncio.get_running_loop().create_task(self._clear_store(self.storage))
         logger.info("stateful-responses: forgot everything it had learned")
@@ -201,6 +220,8 @@ async def _apply(storage: Storage, writes: list[Write]) -> None:
     run: dict[bytes, bytes] = {}
     run_key: tuple[str, float] | None = None
     for write in writes:
+        if write.new:
+            write = await _unless_conflicting(storage, write)
         if write.value is not None and run_key in (None, (write.table, write.ttl)):
             run_key = (write.table, write.ttl)
             run[write.key] = write.value
@@ -214,3 +235,17 @@ async def _apply(storage: Storage, writes: list[Write]) -> None:
             run_key, run = (write.table, write.ttl), {write.key: write.value}
     if run:
         await storage.put(run_key[0], run, run_key[1])
+
+
+async def _unless_conflicting(storage: Storage, write: Write) -> Write:
+    """A turn whose id is already recorded with other content (an upstream
+    reusing ids) is replaced by a tombstone: continuing from it is then "not
+    found", never someone else's context."""
+    assert write.value is not None
+    existing = (await storage.get(write.table, [write.key])).get(write.key)
+    tombstone = conflict(existing, write.value) if existing is not None else None
+    if tombstone is None:
+        return write
+    logger.warning("stateful-responses: response %s was recorded before with other content; both dropped "
+                   "(continuing from it is 'not found')", write.label)
+    return Write(write.table, write.key, tombstone, write.ttl)
