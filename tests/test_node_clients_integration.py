@@ -33,8 +33,9 @@ def node_clients() -> Path:
     result = subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR,
                             capture_output=True, text=True, timeout=600)
     if result.returncode != 0:
-        if any(code in result.stderr for code in OFFLINE_CODES):
-            pytest.skip(f"npm ci could not reach the registry: {result.stderr.strip().splitlines()[-1]}")
+        offline = [line for line in result.stderr.splitlines() if any(code in line for code in OFFLINE_CODES)]
+        if offline:
+            pytest.skip(f"npm ci could not reach the registry: {offline[0]}")
         pytest.fail(f"npm ci failed:\n{result.stderr[-3000:]}")
     return NODE_DIR
 
