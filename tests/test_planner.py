@@ -432,14 +432,14 @@ def test_unusual_whitespace_between_top_level_fields_is_not_ambiguous(ws):
 # -- issue 10: what outlives the process -----------------------------------------
 
 def test_what_the_planner_learns_reaches_the_outbox_and_a_fresh_planner_continues_from_it():
-    from stateful_responses.state import ENTRIES, MARKS, entries_found
+    from stateful_responses.state import ENTRIES, MARKS, REFS, entries_found
 
     first, upstream = Planner(), ReferenceUpstream()
     conv = [{"role": "user", "content": "x"}]
     _, response, _ = send(first, upstream, "k", conv, assistant_output(1))
     writes = first.take_writes()
-    assert [w.table for w in writes] == [ENTRIES] and first.take_writes() == []
-    stored = {w.key: w.value for w in writes}
+    assert sorted(w.table for w in writes) == [ENTRIES, REFS] and first.take_writes() == []
+    stored = {w.key: w.value for w in writes if w.table == ENTRIES}
 
     # a restart: same secret (the store's), empty memory
     second = Planner()
@@ -498,3 +498,46 @@ def test_an_unreadable_stored_record_is_ignored():
     from stateful_responses.state import entries_found
 
     assert entries_found({b"k": b"\x00garbage", b"j": b""}) == {}
+
+
+# -- issue 16: clients that echo earlier output by reference ------------------------
+
+def test_an_item_reference_to_an_output_item_equals_that_item():
+    planner, upstream = Planner(), ReferenceUpstream()
+    conv = [{"role": "user", "content": "x"}]
+    _, response, _ = send(planner, upstream, "k", conv, tool_output(1))
+    call = response["output"][0]
+    by_reference = conv + [{"type": "item_reference", "id": call["id"]},
+                           {"type": "function_call_output", "call_id": call["call_id"], "output": "ok"}]
+    plan = planner.plan(request(by_reference, "k"))
+    assert plan.action == "continue" and plan.items_sent == 1
+    typeless = conv + [{"id": call["id"]}, {"type": "function_call_output", "call_id": call["call_id"], "output": "ok"}]
+    assert planner.plan(request(typeless, "k")).action == "continue"
+    # never across namespaces, and an unknown id stays itself
+    assert planner.plan(request(by_reference, "other-tenant")).action == "full"
+    unknown = conv + [{"type": "item_reference", "id": "fc_unknown"}, by_reference[-1]]
+    assert planner.plan(request(unknown, "k")).action == "full"
+
+
+def test_a_reference_the_store_resolves_after_a_restart():
+    from stateful_responses.state import ENTRIES, REFS, entries_found
+
+    first, upstream = Planner(), ReferenceUpstream()
+    conv = [{"role": "user", "content": "x"}]
+    _, response, _ = send(first, upstream, "k", conv, tool_output(1))
+    writes = first.take_writes()
+    second = Planner()
+    second.use_secret(first._secret)
+    call = response["output"][0]
+    items = conv + [{"type": "item_reference", "id": call["id"]},
+                    {"type": "function_call_output", "call_id": call["call_id"], "output": "ok"}]
+    plan = second.plan(request(items, "k"))
+    keys = second.unresolved_references(plan)
+    assert len(keys) == 1
+    second.learn_references({w.key: w.value for w in writes if w.table == REFS and w.key in keys})
+    second.discard(plan)
+    plan = second.plan(request(items, "k"))
+    assert second.unresolved_references(plan) == []
+    second.improve(plan, entries_found({w.key: w.value for w in writes if w.table == ENTRIES}))
+    assert plan.action == "continue" and plan.items_sent == 1
+    assert second.stats()["requests"] == 1 and second.stats()["continued"] == 1

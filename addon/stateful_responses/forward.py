@@ -22,6 +22,7 @@ from mitmproxy import command, ctx, http, version
 from mitmproxy.utils import human
 
 from .planner import TRANSIENT_STATUSES, Outcome, Plan, Planner, Request, plan_summary, upstream_of
+from .state import REFS
 from .statestore import StateStore
 from .sse import AnswerReader
 from .view import CLIENT_BODY, META, register, unregister
@@ -160,8 +161,16 @@ class ForwardMode:
             return  # planned while streamed, or streamed past the addon
         await self.state.ready()
         try:
-            body = self._plan(flow, flow.request.copy())
+            client = flow.request.copy()
+            body = self._plan(flow, client)
             pending = self._pending.get(flow.id)
+            if pending is not None and (refs := self.planner.unresolved_references(pending.plan)):
+                found = await self.state.get(REFS, refs)
+                if found:  # item references another process learned: plan again with them
+                    self.planner.learn_references(found)
+                    self.planner.discard(pending.plan)
+                    body = self._plan(flow, client)
+                    pending = self._pending.get(flow.id)
             if pending is not None and (keys := self.planner.lookups(pending.plan)):
                 body = self._improve(flow, pending, await self.state.entries(keys)) or body
             if body is not None:

@@ -169,11 +169,15 @@ def item_digest(item: Any) -> bytes:
     return blake3(canonical_json(normalize_item(item))).digest(ITEM_DIGEST_SIZE)
 
 
-def raw_item_digest(raw: bytes) -> bytes:
-    """The digest of one item's raw JSON; Ambiguous when parsers could disagree."""
+def _raw_normal_form(raw: bytes) -> Any:
     if raw[:1] != b"{":
         raise ValueError("an item is not a JSON object")
-    return item_digest(strict_loads(raw))
+    return normalize_item(strict_loads(raw))
+
+
+def raw_item_digest(raw: bytes) -> bytes:
+    """The digest of one item's raw JSON; Ambiguous when parsers could disagree."""
+    return blake3(canonical_json(_raw_normal_form(raw))).digest(ITEM_DIGEST_SIZE)
 
 
 class ItemSequence:
@@ -219,6 +223,8 @@ def as_item_list(value: Any) -> list | None:
 _MISSING = object()
 
 
+
+
 class DigestCache:
     """Item digests by the exact raw bytes the client sent.
 
@@ -239,6 +245,9 @@ class DigestCache:
         self._current: dict[bytes, bytes | None] = {}
         self._old: dict[bytes, bytes | None] = {}
         self._current_bytes = 0
+        # Digests of pure item references ({"type": "item_reference", "id": X})
+        # and the ids they name: one small lookup per item tells them apart.
+        self.references: dict[bytes, str] = {}
 
     def __len__(self) -> int:
         return len(self._current) + len(self._old)
@@ -260,12 +269,19 @@ class DigestCache:
             digest = self._old.pop(raw)
         else:
             try:
-                digest = raw_item_digest(raw)
+                normal = _raw_normal_form(raw)
+                digest = blake3(canonical_json(normal)).digest(ITEM_DIGEST_SIZE)
             except Ambiguous:
                 digest = None
+            else:
+                if normal.keys() == {"type", "id"} and normal["type"] == "item_reference" \
+                        and isinstance(normal["id"], str):
+                    self.references[digest] = normal["id"]
         if len(raw) <= self.max_bytes // 4:
             if self._current_bytes + len(raw) > self.max_bytes // 2:
                 self._old, self._current, self._current_bytes = self._current, {}, 0
+                if len(self.references) > 65536:
+                    self.references.clear()
             self._current[raw] = digest
             self._current_bytes += len(raw)
         return digest

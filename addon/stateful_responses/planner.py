@@ -23,7 +23,7 @@ from blake3 import blake3
 
 from .items import Ambiguous, DigestCache, ItemSequence, as_item_list, item_digest
 from .settings import Settings
-from .state import ENTRIES, Marks, MarkKind, StoredEntry, Write, encode_entry
+from .state import ENTRIES, REFS, Bounded, Marks, MarkKind, StoredEntry, Write, encode_entry
 from .store import Match, PrefixStore
 
 Action = Literal["pass", "full", "continue"]
@@ -71,6 +71,7 @@ class Plan:
     client_bytes: int = 0
     client_previous_response_id: str | None = None  # the client's own continuation, watched for its echo
     draft: _Draft | None = field(default=None, repr=False)  # what improving the plan from the store needs
+    root: bytes = field(default=b"", repr=False)  # the namespace's root digest
 
     @property
     def changed(self) -> bool:
@@ -97,6 +98,7 @@ class _Draft:
     raw_items: list[bytes] | None
     force_store: bool
     memory_depth: int  # the length continued from out of memory, 0 for none
+    unresolved: list[bytes]  # keys of item references memory could not resolve
 
 
 @dataclass(frozen=True)
@@ -225,6 +227,8 @@ class Planner:
     # ``store`` may be taken at the request's word).
     marks: Marks = field(default_factory=Marks)
     digests: DigestCache = field(default_factory=DigestCache, repr=False)
+    # Output items by id, per namespace: an item_reference equals the item it names.
+    refs: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)
     clock: Callable[[], float] = field(default=time.time, repr=False)
     _secret: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
     _outbox: list[Write] = field(default_factory=list, repr=False)
@@ -245,6 +249,7 @@ class Planner:
             self._secret = secret
             self.store.clear()
             self.marks.clear()
+            self.refs.clear()
 
     def take_writes(self) -> list[Write]:
         """What must reach the backing store, oldest first (the outbox empties)."""
@@ -366,6 +371,7 @@ class Planner:
             return Plan("pass", "upstream does not store responses", upstream, model, scope, label)
 
         root = self.namespace(upstream, model, credential)
+        unresolved = self._resolve_references(root, digests)
         sequence = ItemSequence(root, digests)
         prefixes = sequence.digests
         force = (
@@ -388,16 +394,53 @@ class Planner:
             asked_store=asked_store,
             forced_store=force,
             client_bytes=len(request.body),
+            root=root,
         )
         if not asked_store:
             plan.reason = "full; the request does not ask to store"
         if not rewrite:
             return plan
         match = self.store.deepest(prefixes, now)
-        plan.draft = _Draft(request.body, body, raw_items, force, match.length if match else 0)
+        plan.draft = _Draft(request.body, body, raw_items, force, match.length if match else 0, unresolved)
         self._shape(plan, match)
         self._count(plan)
         return plan
+
+    def _ref_key(self, root: bytes, item_id: str) -> bytes:
+        return blake3(root + b"\x00ref\x00" + item_id.encode("utf-8", "surrogatepass"),
+                      key=self._secret).digest(16)
+
+    def _resolve_references(self, root: bytes, digests: list[bytes]) -> list[bytes]:
+        """Give each item reference the digest of the output item it names
+        (learned from this namespace's answers); the keys of those memory
+        does not know (the backing store may)."""
+        unresolved = []
+        references = self.digests.references
+        for i, digest in enumerate(digests):
+            item_id = references.get(digest)
+            if item_id is not None:
+                key = self._ref_key(root, item_id)
+                named = self.refs.hit(key)
+                if named is not None:
+                    digests[i] = named
+                else:
+                    unresolved.append(key)
+        return unresolved
+
+    def unresolved_references(self, plan: Plan) -> list[bytes]:
+        return plan.draft.unresolved if plan.draft is not None else []
+
+    def learn_references(self, found: Mapping[bytes, bytes]) -> None:
+        """References the backing store resolved: plan the request again."""
+        for key, digest in found.items():
+            if len(digest) == 16:
+                self.refs.put(key, digest)
+
+    def discard(self, plan: Plan) -> None:
+        """A plan that will be made again (its counts are taken back)."""
+        if plan.draft is not None:
+            self._uncount(plan)
+            self.counters.requests -= 1
 
     def _shape(self, plan: Plan, match: Match | None) -> None:
         """Write the plan's body: continued from ``match``, or full."""
@@ -528,9 +571,15 @@ class Planner:
             return Outcome("dropped", "response output is not a list of items", rid)
         assert plan.sequence is not None
         try:
-            digest = plan.sequence.extended(map(item_digest, output)).digests[-1]
+            output_digests = [item_digest(item) for item in output]
         except Ambiguous:
             return Outcome("ignored", "the answer's items read differently in other parsers", rid)
+        digest = plan.sequence.extended(output_digests).digests[-1]
+        for item, item_digest_ in zip(output, output_digests, strict=True):
+            if isinstance(item.get("id"), str):
+                key = self._ref_key(plan.root, item["id"])
+                self.refs.put(key, item_digest_)
+                self._outbox.append(Write(REFS, key, item_digest_, self.ttl))
         length, expires = plan.items_total + len(output), self.clock() + self.ttl
         self.store.remember(digest, length, rid, plan.parent, plan.scope, expires)
         self._outbox.append(Write(ENTRIES, digest, encode_entry(StoredEntry(rid, length, plan.scope, expires)), self.ttl))
@@ -578,6 +627,7 @@ class Planner:
         """Forget everything learned (the glue clears the backing store)."""
         self.store.clear()
         self.marks.clear()
+        self.refs.clear()
         self._outbox.clear()
 
     def stats(self) -> dict[str, int]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,31 +18,11 @@ from blake3 import blake3
 
 from .chain import ChainError, Link, walk
 from .items import canonical_json
-from .state import Write
+from .state import Bounded, Write
 from .turns import ITEMS, TURNS, Tenant, TurnBody, TurnHeader
 
 GetRecords = Callable[[str, Sequence[bytes]], Awaitable[Mapping[bytes, bytes]]]
 _ENCODE = msgspec.json.Encoder(decimal_format="number").encode
-
-
-class _Bounded(OrderedDict):
-    """A least-recently-used dict of at most ``limit`` entries."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        self.limit = limit
-
-    def put(self, key: Any, value: Any) -> None:
-        self[key] = value
-        self.move_to_end(key)
-        while len(self) > self.limit:
-            self.popitem(last=False)
-
-    def hit(self, key: Any) -> Any:
-        value = self.get(key)
-        if value is not None:
-            self.move_to_end(key)
-        return value
 
 
 def exact_digest(raw: bytes) -> bytes:
@@ -67,9 +46,9 @@ class Recorder:
     ttl: float
     max_depth: int = 1000
     clock: Callable[[], float] = field(default=time.time, repr=False)
-    turns: _Bounded = field(default_factory=lambda: _Bounded(4096), repr=False)  # turn key -> record
-    items: _Bounded = field(default_factory=lambda: _Bounded(65536), repr=False)  # item key -> item JSON
-    inputs: _Bounded = field(default_factory=lambda: _Bounded(4096), repr=False)  # (tenant, input digest) -> id
+    turns: _Bounded = field(default_factory=lambda: Bounded(4096), repr=False)  # turn key -> record
+    items: _Bounded = field(default_factory=lambda: Bounded(65536), repr=False)  # item key -> item JSON
+    inputs: _Bounded = field(default_factory=lambda: Bounded(4096), repr=False)  # (tenant, input digest) -> id
     _outbox: list[Write] = field(default_factory=list, repr=False)
 
     def take_writes(self) -> list[Write]:

@@ -9,16 +9,39 @@ planner itself never does I/O (sans-IO, as hishel's cache policy).
 from __future__ import annotations
 
 import struct
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
 ENTRIES = "entries"  # sequence digest -> StoredEntry
+REFS = "refs"  # namespace + output item id -> that item's digest (item_reference resolution)
 MARKS = "marks"  # kind + scope -> when it expires
 
 MarkKind = Literal["unsupported", "no_forced_store", "honours_previous"]
+
+
+class Bounded(OrderedDict):
+    """A least-recently-used dict of at most ``limit`` entries."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key: Any, value: Any) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
+
+    def hit(self, key: Any) -> Any:
+        value = self.get(key)
+        if value is not None:
+            self.move_to_end(key)
+        return value
+
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from mitmproxy import command, ctx
 
 from .planner import Planner
-from .state import ENTRIES, MARKS, StoredEntry, Write, entries_found
+from .state import ENTRIES, MARKS, REFS, StoredEntry, Write, entries_found
 from .turns import ITEMS, TURNS
 from .storage import Storage, StorageError, open_storage
 
@@ -126,17 +126,20 @@ class StateStore:
         if self._attempted is not None and not self._attempted.is_set():
             await asyncio.wait({asyncio.ensure_future(self._attempted.wait())}, timeout=READY_WAIT)
 
-    async def entries(self, keys: Sequence[bytes]) -> dict[bytes, StoredEntry]:
-        """Stored entries among ``keys``; nothing when the store is down or slow."""
+    async def get(self, table: str, keys: Sequence[bytes]) -> dict[bytes, bytes]:
+        """Records among ``keys``; nothing when the store is down or slow."""
         if not keys or not self.up or self.storage is None:
             return {}
         try:
-            records = await asyncio.wait_for(self.storage.get(ENTRIES, keys), READ_TIMEOUT)
+            records = await asyncio.wait_for(self.storage.get(table, keys), READ_TIMEOUT)
         except (StorageError, asyncio.TimeoutError) as e:
             self._failed(e if isinstance(e, StorageError) else StorageError("read timed out"))
             return {}
         self._worked()
-        return entries_found(records)
+        return records
+
+    async def entries(self, keys: Sequence[bytes]) -> dict[bytes, StoredEntry]:
+        return entries_found(await self.get(ENTRIES, keys))
 
     def flush(self) -> asyncio.Future | None:
         """Queue the planner's outbox for the store; the future is done once
@@ -189,7 +192,8 @@ def _limits(spec: str) -> dict[str, int]:
     """Records per table: memory holds a tenth of what a store on disk or on a
     server may."""
     scale = 1 if spec.strip() == "memory" else 10
-    return {ENTRIES: 100_000 * scale, MARKS: 10_000, TURNS: 100_000 * scale, ITEMS: 400_000 * scale}
+    return {ENTRIES: 100_000 * scale, REFS: 100_000 * scale, MARKS: 10_000, TURNS: 100_000 * scale,
+            ITEMS: 400_000 * scale}
 
 
 async def _apply(storage: Storage, writes: list[Write]) -> None:
