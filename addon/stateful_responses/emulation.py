@@ -23,12 +23,13 @@ ForwardMode, so that it plans the expanded body.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from mitmproxy import http
 
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 EMULATION = "stateful_emulation"  # flow.metadata: what emulation did with the flow
 MAX_FLOWS = 10_000
 NOT_FOUND_RETRY = 0.1  # a turn another proxy has just written may take this long to be visible
+LIST_PARAMETERS = frozenset({"limit", "order", "after", "before", "include", "include[]"})
 _RESOURCE = re.compile(r"^(?P<base>.*)/responses/(?P<id>[^/]+)(?P<items>/input_items)?/?$")
 
 
@@ -180,7 +182,11 @@ class StoreEmulation:
         response_id, listing = match["id"], bool(match["items"])
         if method == "DELETE" and listing:
             return
+        # The query string is credential material (gateways take keys there),
+        # except the list's own parameters.
+        query = [(k, v) for k, v in parse_qsl(url.query, keep_blank_values=True) if k not in LIST_PARAMETERS]
         reading = request_of(flow)
+        reading = dataclasses.replace(reading, url=urlunsplit(url._replace(query=urlencode(query))))
         credential = self.planner.credential_material(reading)
         tenant = Tenant.of(self.planner.secret, credential)
         upstream = f"{url.scheme}://{url.netloc}{match['base']}"

@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from collections.abc import Sequence
 
 from mitmproxy import command, ctx
 
 from .planner import Planner
 from .recorder import Recorder
+from .settings import Settings
 from .state import ENTRIES, MARKS, REFS, StoredEntry, Write, entries_found
 from .storage import Storage, StorageError, open_storage
 from .turns import ITEMS, TURNS, conflict
@@ -29,6 +31,7 @@ FLUSH_WAIT = 0.25  # an answer's end waits this long at most for its writes
 RETRY_AFTER = 2.0  # between attempts to reach a store that failed
 MARKS_EVERY = 5.0  # how often marks set by other processes are read
 READY_WAIT = 2.0  # at start, requests wait this long at most for the store
+DRAIN_WAIT = 3.0  # at shutdown, the last writes get this long
 
 
 class StateStore:
@@ -41,6 +44,7 @@ class StateStore:
         self._tasks: list[asyncio.Task] = []
         self._warned = False  # one warning per outage
         self._attempted: asyncio.Event | None = None  # the first connection attempt is over
+        self._inflight: list[Write] = []  # the batch the writer is applying
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -62,12 +66,26 @@ class StateStore:
         self._tasks = [loop.create_task(self._keep_connected()), loop.create_task(self._write_loop())]
 
     def _stop(self) -> None:
+        """Stop, and write what is still queued before going: a turn an agent
+        was just answered must survive a restart."""
+        unwritten = self._unwritten()
         for task in self._tasks:
             task.cancel()
         self._tasks = []
         storage, self.storage, self.up = self.storage, None, False
         if storage is not None:
+            if unwritten:
+                _drain(storage.name, self.planner.settings, unwritten)
             asyncio.get_running_loop().create_task(self._close_quietly(storage))
+
+    def _unwritten(self) -> list[Write]:
+        """The batch being written, the queued ones and the outboxes, in order."""
+        writes = list(self._inflight)
+        while self._queue is not None and not self._queue.empty():
+            batch, done = self._queue.get_nowait()
+            writes += batch
+            done.set_result(None)
+        return writes + self.planner.take_writes() + self.recorder.take_writes()
 
     @staticmethod
     async def _close_quietly(storage: Storage) -> None:
@@ -181,11 +199,13 @@ class StateStore:
             writes, done = await self._queue.get()
             try:
                 if self.up and self.storage is not None:
+                    self._inflight = writes
                     await _apply(self.storage, writes)
                     self._worked()
             except StorageError as e:
                 self._failed(e)
             finally:
+                self._inflight = []
                 if not done.done():
                     done.set_result(None)
 
@@ -205,6 +225,33 @@ class StateStore:
             await storage.clear()
         except StorageError as e:
             self._failed(e)
+
+
+def _drain(name: str, settings: Settings, writes: list[Write]) -> None:
+    """Apply the last writes at shutdown (or when the store changes). The hook
+    that stops us cannot wait on the event loop, so they go through a store
+    of their own on a thread of their own, for at most DRAIN_WAIT seconds."""
+    if settings.store.strip() == "memory":
+        return  # nothing outlives the process anyway
+
+    async def write() -> None:
+        storage = open_storage(settings.store, os.path.expanduser(ctx.options.confdir), _limits(settings.store),
+                               max_bytes=settings.store_max_mb * 1024 * 1024)
+        try:
+            await storage.open()
+            await _apply(storage, writes)
+        finally:
+            await storage.close()
+
+    def run() -> None:
+        try:
+            asyncio.run(write())
+        except StorageError as e:
+            logger.warning("stateful-responses: %d last writes to %s were lost (%s)", len(writes), name, e)
+
+    thread = threading.Thread(target=run, name="stateful-responses-drain", daemon=True)
+    thread.start()
+    thread.join(DRAIN_WAIT)
 
 
 def _limits(spec: str) -> dict[str, int]:
