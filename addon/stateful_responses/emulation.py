@@ -358,10 +358,14 @@ class StoreEmulation:
             return
         sent_previous = record.previous_response_id if record.expanded is None else None
         echoed = response.get("previous_response_id")
-        if sent_previous is not None and echoed != sent_previous and self.planner.mark("refuses_previous", record.scope):
-            logger.info("stateful-responses: an upstream ignored a previous_response_id; expanding chains for it "
-                        "from now on")
         stored = response.get("store")
+        # An answer to a continuation that names another parent, or says it
+        # stores nothing (then it cannot have continued one either), was made
+        # without the chain: from now on the chain goes expanded.
+        if sent_previous is not None and (echoed != sent_previous or stored is False) \
+                and self.planner.mark("refuses_previous", record.scope):
+            logger.info("stateful-responses: an upstream answered a previous_response_id without its chain; "
+                        "expanding chains for it from now on")
         stored_upstream = stored is True or (stored is None and sent_previous is not None and echoed == sent_previous)
         self.recorder.record(record.tenant, response=response, previous_response_id=record.previous_response_id,
                              raw_input=record.raw_input, stored_upstream=stored_upstream)
