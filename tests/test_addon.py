@@ -229,3 +229,26 @@ async def test_the_store_learns_before_the_last_bytes_reach_the_client(kind):
         f.response.stream(b"")
         await addon.response(f)
         assert f.metadata[META]["outcome"] == "advanced"
+
+
+async def test_clear_forgets_in_memory_and_in_the_store(tmp_path):
+    from stateful_responses.state import ENTRIES
+
+    async with Glue(stateful_store=f"sqlite:{tmp_path / 'state.db'}") as addon:
+        answer = {"id": "resp_1", "status": "completed", "store": True, "output": UPSTREAM_OUTPUT}
+        f = responses_flow({"model": "m", "input": "hello"}, answer)
+        await addon.request(f)
+        await addon.response(f)
+        await addon.state.written(addon.state.flush())
+        for _ in range(100):
+            if await addon.state.storage.scan(ENTRIES):
+                break
+            await asyncio.sleep(0.01)
+        assert await addon.state.storage.scan(ENTRIES)
+        addon.tctx.master.commands.call("stateful.clear")
+        for _ in range(100):
+            if not await addon.state.storage.scan(ENTRIES):
+                break
+            await asyncio.sleep(0.01)
+        assert not await addon.state.storage.scan(ENTRIES)
+        assert "branches=0" in addon.tctx.master.commands.call("stateful.stats")
