@@ -3,11 +3,13 @@ small addons in one list, see ``mitmproxy/addons/__init__.py``)."""
 
 from __future__ import annotations
 
+from .continuation import ChainIndex
 from .emulation import StoreEmulation
 from .forward import ForwardMode
 from .glue import Replays
 from .options import Options
 from .planner import Planner
+from .record import ContinuationRecord
 from .recorder import Recorder
 from .statestore import StateStore
 
@@ -15,11 +17,13 @@ from .statestore import StateStore
 def make_addons() -> list:
     planner = Planner()
     recorder = Recorder(ttl=planner.ttl)
-    state = StateStore(planner, recorder)
+    index = ChainIndex(ttl=planner.ttl)
+    state = StateStore(planner, recorder, index)
     replays = Replays(planner.counters)
     return [
         Options(planner, recorder),  # first: parses every option before the others configure
         state,
+        ContinuationRecord(planner, state, index),  # lifts the client's own request, before any change
         StoreEmulation(planner, state, recorder, replays),  # before forward mode: it plans the expanded body
         ForwardMode(planner, state, replays),
         replays,  # last: its collector wraps the others' taps

@@ -66,6 +66,12 @@ def _check_models(name: str, models: tuple[str, ...]) -> tuple[str, ...]:
     return models
 
 
+def parse_text(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise SettingsError(f"{name}: expected text, got {value!r}")
+    return value.strip()
+
+
 EMULATE_MODES = ("off", "auto", "always")
 
 
@@ -115,6 +121,10 @@ OPTIONS: dict[str, tuple[Any, Any, Any, str]] = {
         "upstream cannot continue it), always (the proxy is the store). Keeps conversation content in the store.",
     ),
     "stateful_max_depth": (parse_positive_int, int, 1000, "Deepest previous_response_id chain expanded."),
+    "stateful_record_file": (
+        parse_text, str, "",
+        "Append one JSON line per LLM API call (its continuation record and mapping audit) to this file.",
+    ),
     "stateful_store_max_mb": (parse_positive_int, int, 512, "Size cap of the SQLite file, in MiB."),
     "stateful_debug": (parse_bool, bool, False, "Log one line per decision."),
 }
@@ -133,6 +143,7 @@ class Settings:
     ttl_days: int = 30
     emulate: str = "off"
     max_depth: int = 1000
+    record_file: str = ""
     store_max_mb: int = 512
     debug: bool = False
 

@@ -14,11 +14,12 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
+from typing import Protocol
 
 from mitmproxy import command, ctx
 
+from .continuation import CHAIN_RESPONSES, CHAIN_TIPS, CHAIN_TURNS
 from .planner import Planner
-from .recorder import Recorder
 from .settings import Settings
 from .state import ENTRIES, MARKS, REFS, StoredEntry, Write, entries_found
 from .storage import Storage, StorageError, open_storage
@@ -34,10 +35,18 @@ READY_WAIT = 2.0  # at start, requests wait this long at most for the store
 DRAIN_WAIT = 3.0  # at shutdown, the last writes get this long
 
 
+class Remembers(Protocol):
+    """What keeps state for the store: an outbox of writes, and a way to forget."""
+
+    def take_writes(self) -> list[Write]: ...
+
+    def clear(self) -> None: ...
+
+
 class StateStore:
-    def __init__(self, planner: Planner, recorder: Recorder) -> None:
+    def __init__(self, planner: Planner, *others: Remembers) -> None:
         self.planner = planner
-        self.recorder = recorder
+        self.sources: tuple[Remembers, ...] = (planner, *others)
         self.storage: Storage | None = None
         self.up = False  # connected, secret loaded: reads and writes go to the store
         self._queue: asyncio.Queue[tuple[list[Write], asyncio.Future]] | None = None
@@ -85,7 +94,7 @@ class StateStore:
             batch, done = self._queue.get_nowait()
             writes += batch
             done.set_result(None)
-        return writes + self.planner.take_writes() + self.recorder.take_writes()
+        return writes + [w for source in self.sources for w in source.take_writes()]
 
     @staticmethod
     async def _close_quietly(storage: Storage) -> None:
@@ -180,7 +189,7 @@ class StateStore:
     def flush(self) -> asyncio.Future | None:
         """Queue the planner's outbox for the store; the future is done once
         written (or dropped: the store is down). None when nothing to write."""
-        writes = self.planner.take_writes() + self.recorder.take_writes()
+        writes = [w for source in self.sources for w in source.take_writes()]
         if not writes or self._queue is None:
             return None
         done = asyncio.get_running_loop().create_future()
@@ -214,8 +223,8 @@ class StateStore:
     @command.command("stateful.clear")
     def clear(self) -> None:
         """Forget everything the addon learned, in memory and in the store."""
-        self.planner.clear()
-        self.recorder.clear()
+        for source in self.sources:
+            source.clear()
         if self.up and self.storage is not None:
             asyncio.get_running_loop().create_task(self._clear_store(self.storage))
         logger.info("stateful-responses: forgot everything it had learned")
@@ -259,7 +268,8 @@ def _limits(spec: str) -> dict[str, int]:
     server may."""
     scale = 1 if spec.strip() == "memory" else 10
     return {ENTRIES: 100_000 * scale, REFS: 100_000 * scale, MARKS: 10_000, TURNS: 100_000 * scale,
-            ITEMS: 400_000 * scale}
+            ITEMS: 400_000 * scale, CHAIN_TURNS: 100_000 * scale, CHAIN_RESPONSES: 100_000 * scale,
+            CHAIN_TIPS: 100_000 * scale}
 
 
 async def _apply(storage: Storage, writes: list[Write]) -> None:
