@@ -57,6 +57,12 @@ class Glue:
     async def request(self, flow) -> None:
         await self.forward.request(flow)
 
+    async def request_through_all(self, flow) -> None:
+        """Every addon's request hook, in order (the record needs its own)."""
+        await self.record.request(flow)
+        await self.emulation.request(flow)
+        await self.forward.request(flow)
+
     def responseheaders(self, flow) -> None:
         self.forward.responseheaders(flow)
 
@@ -187,6 +193,7 @@ def rendered(flow) -> tuple[str, str]:
 
 async def test_mitmweb_view_shows_the_decision_and_both_bodies():
     async with Glue() as addon:
+        addon.request = addon.request_through_all
         answer = {"id": "resp_1", "status": "completed", "store": True, "output": UPSTREAM_OUTPUT}
         f = responses_flow({"model": "m", "input": [{"role": "user", "content": "hello"}]}, answer)
         await addon.request(f)
@@ -200,6 +207,7 @@ async def test_mitmweb_view_shows_the_decision_and_both_bodies():
         assert "--- client sent" in text and "--- sent upstream" in text
         assert text.index('"again"') < text.index("--- sent upstream") < text.rindex('"again"')
         assert f2.marked == ":recycle:" and f.marked == ":arrow_right:"
+        assert "--- continuation record ---" in text and f2.metadata["continuation"]["chainId"] in text
         other = tflow.tflow()
         assert rendered(other)[0] != "Stateful Responses"
 
