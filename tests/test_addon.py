@@ -35,7 +35,8 @@ class Glue:
 
     def __init__(self, **options) -> None:
         self.addons = make_addons()
-        self.options, self.state, self.record, self.emulation, self.forward, self.replays = self.addons
+        (self.options, self.state, self.record, self.router, self.emulation, self.forward, _, _,
+         self.replays) = self.addons
         self.planner = self.forward.planner
         self._options = {"stateful_store": "memory", **options}
 

@@ -5,12 +5,23 @@ flows saved with -w, in the record file, and as a chain tag in its comment."""
 from __future__ import annotations
 
 import json
+import time
 
 from driver import ChainedConversation, Conversation, httpx, user_turns
 from mitmproxy import flowfilter, io
 
 SEED_KEYS = {"chainId", "previousTurnId", "resumeFrom", "stickyScope", "stateOrigin", "restored",
              "toolContinuation", "protocolHints", "turnId"}
+
+
+def wait_for_lines(path, count: int, timeout: float = 10) -> None:
+    """Until the record file holds ``count`` lines: every flow's answer is in."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the record file has not reached {count} lines")
 
 
 def saved_flows(path) -> list:
@@ -25,6 +36,7 @@ def test_a_full_history_conversation_is_one_chain_turn_by_turn(emulator, start_p
     for text in user_turns(6):
         conv.turn(text)
     conv.close()
+    wait_for_lines(record_file, len(conv.sent))
     proxy.stop()
     flows = saved_flows(flows_file)
     records = [f.metadata["continuation"] for f in flows]
@@ -56,9 +68,10 @@ def test_a_full_history_conversation_is_one_chain_turn_by_turn(emulator, start_p
 
 
 def test_conversations_forks_and_previous_response_id_chains(emulator, start_proxy, tmp_path):
-    flows_file = tmp_path / "flows"
+    flows_file, record_file = tmp_path / "flows", tmp_path / "records.jsonl"
     emulator.model.control({"stateless": "reject"})
-    proxy = start_proxy(emulator.url, "-w", str(flows_file), "--set", "stateful_emulate=always")
+    proxy = start_proxy(emulator.url, "-w", str(flows_file), "--set", "stateful_emulate=always",
+                        "--set", f"stateful_record_file={record_file}")
     one, two = ChainedConversation(proxy.url), ChainedConversation(proxy.url)
     for n in range(3):
         one.turn(f"first conversation {n}")
@@ -71,6 +84,7 @@ def test_conversations_forks_and_previous_response_id_chains(emulator, start_pro
         assert forked.status_code == 200
     one.close()
     two.close()
+    wait_for_lines(record_file, 8)
     proxy.stop()
     records = [f.metadata["continuation"] for f in saved_flows(flows_file)]
     first = [r for r in records[:-1] if r["chainId"] == records[0]["chainId"]]
@@ -91,10 +105,12 @@ def test_records_survive_a_restart_and_the_file_keeps_appending(emulator, start_
     conv = Conversation(proxy.url)
     for text in user_turns(2):
         conv.turn(text)
+    wait_for_lines(record_file, len(conv.sent))
     proxy.stop()
     start_proxy(emulator.url, "--set", f"stateful_record_file={record_file}", confdir=confdir, port=proxy.port)
     conv.turn("after the restart")
     conv.close()
+    wait_for_lines(record_file, len(conv.sent))
     lines = [json.loads(line) for line in record_file.read_text().splitlines()]
     assert len({line["continuation"]["chainId"] for line in lines}) == 1  # the chain outlived the process
     assert lines[-1]["continuation"]["previousTurnId"] == lines[-2]["continuation"]["turnId"]

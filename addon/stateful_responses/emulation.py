@@ -37,6 +37,7 @@ from .chain import ChainError
 from .glue import HELD, RETRY_OF, Replays, hold, internal_error, request_of
 from .planner import TRANSIENT_STATUSES, Plan, Planner, Reading, splice
 from .recorder import Recorder, Turn, listed_items, response_json, string_input_item
+from .router import ROUTED
 from .sse import AnswerReader
 from .statestore import StateStore
 from .storage import StorageError
@@ -61,6 +62,7 @@ class _Flow:
     previous_response_id: str | None  # the client's
     raw_input: list[bytes]  # the client's input items, byte for byte
     client: http.Request  # the client's request
+    moved: bool = False  # routed away from the upstream that holds the chain
     expanded: bytes | None = None  # the body sent instead, chain expanded
     reader: AnswerReader | None = None
     recorded: bool = False
@@ -120,7 +122,8 @@ class StoreEmulation:
             raw_input = [string_input_item(bytes(reading.fields["input"]))]
         tenant = Tenant.of(self.planner.secret, reading.credential)
         previous = reading.previous if isinstance(reading.previous, str) else None
-        record = _Flow(tenant, reading.scope, previous, raw_input, client)
+        moved = bool((flow.metadata.get(ROUTED) or {}).get("moved"))
+        record = _Flow(tenant, reading.scope, previous, raw_input, client, moved)
         self._remember(flow.id, record)
         if previous is None:
             return  # full history: only recorded
@@ -150,6 +153,8 @@ class StoreEmulation:
         marks = self.planner.marks
         if marks.has("unsupported", record.scope, now) or marks.has("refuses_previous", record.scope, now):
             return True
+        if record.moved:
+            return True  # the router sent the turn away from the upstream that holds its chain
         assert record.previous_response_id is not None
         try:
             turn = await self.recorder.turn(record.tenant, record.previous_response_id, self.state.get_strict)
@@ -170,6 +175,23 @@ class StoreEmulation:
             context = await self.recorder.context(record.tenant, record.previous_response_id, self.state.get_strict)
         items = b"[" + b",".join(context + record.raw_input) + b"]"
         return splice(record.client.raw_content or b"", reading.fields, {"input": items, "previous_response_id": None})
+
+    async def full_history(self, flow: http.HTTPFlow, client: http.Request) -> bytes | None:
+        """The client's request as full history (its chain expanded), for a
+        turn that must move to another upstream; None when it already is full
+        history, or when the record cannot expand it."""
+        record = self._flows.get(flow.id)
+        if record is not None and record.expanded is not None:
+            return record.expanded
+        if record is None or record.previous_response_id is None:
+            return None
+        reading = self.planner.read(request_of(flow, client), count=False)
+        if isinstance(reading, Plan):
+            return None
+        try:
+            return await self._expand(reading, record)
+        except (ChainError, StorageError):
+            return None
 
     # -- retrieve, input_items, delete --------------------------------------------------
 
@@ -286,8 +308,10 @@ class StoreEmulation:
         record = self._record_of(flow)
         if record is None or flow.response is None:
             return
+        retried_here = False
         try:
             if self._retryable(flow, record) and _refused(flow, record):
+                retried_here = True
                 await self._retry_expanded(flow, record)
             elif "delete" in flow.metadata.get(EMULATION, {}) and flow.response.status_code < 300:
                 self.recorder.forget(record.tenant, flow.metadata[EMULATION]["delete"])
@@ -300,8 +324,8 @@ class StoreEmulation:
         retry_of = flow.metadata.get(RETRY_OF)
         if retry_of is not None:
             self._flows.pop(retry_of, None)  # the client's flow is answered by this retry
-        elif not (flow.metadata.get(HELD) and not self._retryable(flow, record)):
-            self._flows.pop(flow.id, None)  # else forward mode retries it next, and the retry records
+        elif retried_here or not flow.metadata.get(HELD):
+            self._flows.pop(flow.id, None)  # else another addon retries it next, and its retry records
         await self.state.written(record.written)
 
     def error(self, flow: http.HTTPFlow) -> None:

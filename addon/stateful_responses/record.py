@@ -28,6 +28,7 @@ from .emulation import EMULATION
 from .glue import HELD, RETRY_OF, internal_error, request_of
 from .planner import Planner
 from .protocols import AnswerLifter, detect, lift_request
+from .router import ROUTED
 from .sse import LiftReader
 from .statestore import StateStore
 from .view import META
@@ -140,7 +141,11 @@ class ContinuationRecord:
         except Exception:
             internal_error(self.planner.counters, "tapping an answer to lift")
 
-    async def response(self, flow: http.HTTPFlow) -> None:
+    @property
+    def answers(self) -> RecordAnswers:
+        return RecordAnswers(self)
+
+    async def finish_response(self, flow: http.HTTPFlow) -> None:
         entry = self._turns.pop(flow.id, None)
         if entry is None or flow.response is None:
             return
@@ -155,7 +160,7 @@ class ContinuationRecord:
         except Exception:
             internal_error(self.planner.counters, "recording a turn")
 
-    def error(self, flow: http.HTTPFlow) -> None:
+    def finish_error(self, flow: http.HTTPFlow) -> None:
         entry = self._turns.pop(flow.id, None)
         if entry is not None:
             try:
@@ -165,6 +170,8 @@ class ContinuationRecord:
 
     def _finish(self, flow: http.HTTPFlow, turn: Turn, answer) -> None:
         turn.changes += _changes_made(flow, turn.protocol)
+        routed = flow.metadata.get(ROUTED) or {}
+        turn.upstream = routed.get("failed_over_to") or routed.get("upstream") or turn.upstream
         turn.restored = any(c.field in ("input", "previous_response_id") and c.disposition != "unsupported"
                             for c in turn.changes)
         self.index.finish(turn, answer)
@@ -182,6 +189,21 @@ class ContinuationRecord:
         self._turns[flow_id] = entry
         while len(self._turns) > MAX_TURNS:
             self._turns.popitem(last=False)
+
+
+class RecordAnswers:
+    """The record's answer side, listed after every addon that may change or
+    replace an answer (a retry, a failover), so that it records what the
+    client got and everything our addons did."""
+
+    def __init__(self, record: ContinuationRecord) -> None:
+        self.record = record
+
+    async def response(self, flow: http.HTTPFlow) -> None:
+        await self.record.finish_response(flow)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self.record.finish_error(flow)
 
 
 def _upstream(flow: http.HTTPFlow) -> str:
@@ -204,6 +226,15 @@ def _changes_made(flow: http.HTTPFlow, protocol: str) -> list:
     if decision.get("retried_after"):
         changes.append(audit_entry("input", "preserved", f"the upstream answered {decision['retried_after']} "
                                    "to the changed request; retried with the client's own body", protocol))
+    routed = flow.metadata.get(ROUTED) or {}
+    if routed.get("failed_over_to"):
+        changes.append(audit_entry(
+            "upstream", "lossy", f"{routed['upstream']} answered {routed['failed_after']}; the turn went to "
+            f"{routed['failed_over_to']} with full history", protocol, routed["failed_over_to"]))
+    if routed.get("reasoning_dropped"):
+        changes.append(audit_entry(
+            "reasoning.encrypted_content", "dropped", f"{routed['reasoning_dropped']} reasoning items encrypted by "
+            f"{routed['upstream']} cannot be read by {routed['failed_over_to']}", protocol, routed["failed_over_to"]))
     emulated = flow.metadata.get(EMULATION) or {}
     if emulated.get("expanded"):
         changes.append(audit_entry("previous_response_id", "dropped",

@@ -109,6 +109,10 @@ OPTIONS: dict[str, tuple[Any, Any, Any, str]] = {
         "Only these models; a trailing * is a wildcard (empty: all).",
     ),
     "stateful_max_chains": (parse_positive_int, int, 256, "How many conversation branches are kept in memory."),
+    "stateful_upstreams": (
+        lambda n, v: _check_urls(n, parse_list(n, v)), Sequence[str], [],
+        "Base URLs of several upstreams to route between (empty: the one upstream of the proxy mode).",
+    ),
     "stateful_store": (
         parse_store, str, "sqlite",
         "Where state lives: sqlite (a file in the confdir), sqlite:PATH, memory, "
@@ -139,6 +143,7 @@ class Settings:
     base_urls: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
     max_chains: int = 256
+    upstreams: tuple[str, ...] = ()
     store: str = "sqlite"
     ttl_days: int = 30
     emulate: str = "off"
