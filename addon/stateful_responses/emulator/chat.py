@@ -53,8 +53,9 @@ class ChatCompletions:
             raise APIError(400, "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an"
                                 " empty array instead.", param="messages", code="empty_array")
         tools = body.get("tools") if isinstance(body.get("tools"), list) else []
-        functions = frozenset(t["function"]["name"] for t in tools if isinstance(t, dict) and t.get("type") == "function"
-                              and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str))
+        declared = [t["function"] for t in tools
+                    if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)]
+        functions = frozenset(f["name"] for f in declared if isinstance(f.get("name"), str))
         newest = messages[-1]
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         return Conversation(

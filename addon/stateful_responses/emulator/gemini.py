@@ -12,6 +12,7 @@ so both spellings are read here.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from .conversation import Call, Conversation, Turn, positive_int, random_id, words
 from .errors import APIError
@@ -36,7 +37,8 @@ def error(status: int, message: str | None = None) -> APIError:
     return APIError(status, message, body={"error": {"code": status, "message": message, "status": name}})
 
 
-def field(value: dict, camel: str, snake: str) -> object:
+def camel_or_snake(value: dict, camel: str, snake: str) -> Any:
+    """A field under either of the names protobuf JSON accepts for it."""
     return value.get(camel, value.get(snake))
 
 
@@ -62,18 +64,19 @@ class GenerateContent:
             raise error(400, "* GenerateContentRequest.contents: contents is not specified\n")
         if not all(isinstance(c, dict) and c.get("role", "user") in ROLES for c in contents):
             raise error(400, "Please use a valid role: user, model.")
-        functions = set()
-        for tool in body.get("tools") or []:
-            declarations = field(tool, "functionDeclarations", "function_declarations") if isinstance(tool, dict) else None
-            functions |= {d["name"] for d in declarations or [] if isinstance(d, dict) and isinstance(d.get("name"), str)}
-        config = field(body, "generationConfig", "generation_config")
-        limit = field(config, "maxOutputTokens", "max_output_tokens") if isinstance(config, dict) else None
+        tools = body.get("tools") if isinstance(body.get("tools"), list) else []
+        declared = [d for tool in tools if isinstance(tool, dict)
+                    for d in camel_or_snake(tool, "functionDeclarations", "function_declarations") or []
+                    if isinstance(d, dict)]
+        functions = frozenset(d["name"] for d in declared if isinstance(d.get("name"), str))
+        config = camel_or_snake(body, "generationConfig", "generation_config")
+        limit = camel_or_snake(config, "maxOutputTokens", "max_output_tokens") if isinstance(config, dict) else None
         newest = contents[-1]
         parts = newest.get("parts") if isinstance(newest.get("parts"), list) else []
         user_text = " ".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
         return Conversation(
             model=call.path["model"], stream=call.path["method"] == "streamGenerateContent", context=contents,
-            system=field(body, "systemInstruction", "system_instruction"), functions=frozenset(functions),
+            system=camel_or_snake(body, "systemInstruction", "system_instruction"), functions=functions,
             user_text=user_text if newest.get("role", "user") == "user" else None,
             max_tokens=positive_int(limit), body=body, query=call.query)
 
