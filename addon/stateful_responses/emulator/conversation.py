@@ -55,13 +55,14 @@ def positive_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def joined_text(content: Any, text_types: tuple[str, ...] = ("text",)) -> str:
-    """The text of a message's content: a string, or the text of its text parts."""
+def joined_text(content: Any) -> str:
+    """The text of a message's content: a string, or the text of its ``text``
+    parts (Chat's and Anthropic's content shapes agree on this)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         return " ".join(p["text"] for p in content
-                        if isinstance(p, dict) and p.get("type") in text_types and isinstance(p.get("text"), str))
+                        if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str))
     return ""
 
 
