@@ -7,7 +7,11 @@ from __future__ import annotations
 import json
 import time
 
+import anthropic
+import openai
+import pytest
 from driver import ChainedConversation, Conversation, httpx, user_turns
+from google import genai
 from mitmproxy import flowfilter, io
 
 SEED_KEYS = {"chainId", "previousTurnId", "resumeFrom", "stickyScope", "stateOrigin", "restored",
@@ -114,3 +118,93 @@ def test_records_survive_a_restart_and_the_file_keeps_appending(emulator, start_
     lines = [json.loads(line) for line in record_file.read_text().splitlines()]
     assert len({line["continuation"]["chainId"] for line in lines}) == 1  # the chain outlived the process
     assert lines[-1]["continuation"]["previousTurnId"] == lines[-2]["continuation"]["turnId"]
+
+
+# -- the three other protocols, with their real SDKs ------------------------------------
+
+def _chat_conversation(base_url: str, streamed: bool) -> None:
+    from test_emulator_protocols import chat_turn
+
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="sk-chat", max_retries=0,
+                           http_client=httpx.Client(trust_env=False))
+    messages: list = [{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": 'Weather? call:get_weather({"city": "Paris"})'}]
+    for text in ("thanks", "and tomorrow?"):
+        choice = chat_turn(client, messages, streamed)
+        messages.append(choice.message)  # the SDK's own object, echoed back as real agents do
+        for call in choice.message.tool_calls or []:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": "21C"})
+            choice = chat_turn(client, messages, streamed)
+            messages.append(choice.message)
+        messages.append({"role": "user", "content": text})
+    client.close()
+
+
+def _anthropic_conversation(base_url: str, streamed: bool) -> None:
+    from test_emulator_protocols import anthropic_turn
+
+    client = anthropic.Anthropic(base_url=base_url, api_key="sk-ant", max_retries=0,
+                                 http_client=httpx.Client(trust_env=False))
+    messages: list = [{"role": "user", "content": 'Weather? call:get_weather({"city": "Paris"})'}]
+    for text in ("thanks", "and tomorrow?"):
+        message = anthropic_turn(client, messages, streamed)
+        messages.append({"role": "assistant", "content": message.content})
+        uses = [block for block in message.content if block.type == "tool_use"]
+        if uses:
+            messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": u.id,
+                                                          "content": "21C"} for u in uses]})
+            message = anthropic_turn(client, messages, streamed)
+            messages.append({"role": "assistant", "content": message.content})
+        messages.append({"role": "user", "content": text})
+    client.close()
+
+
+def _gemini_conversation(base_url: str, streamed: bool) -> None:
+    from google.genai import types
+    from test_emulator_protocols import gemini_turn
+
+    client = genai.Client(api_key="g-key", http_options=types.HttpOptions(
+        base_url=base_url, retry_options=types.HttpRetryOptions(attempts=1)))
+    contents: list = [types.Content(role="user", parts=[types.Part(
+        text='Weather? call:get_weather({"city": "Paris"})')])]
+    for text in ("thanks", "and tomorrow?"):
+        content = gemini_turn(client, contents, streamed)
+        contents.append(content)
+        calls = [part.function_call for part in content.parts if part.function_call]
+        if calls:
+            contents.append(types.Content(role="user", parts=[types.Part(function_response=types.FunctionResponse(
+                id=c.id, name=c.name, response={"temp_c": 21})) for c in calls]))
+            contents.append(gemini_turn(client, contents, streamed))
+        contents.append(types.Content(role="user", parts=[types.Part(text=text)]))
+
+
+CONVERSATIONS = {"openai-chat": _chat_conversation, "anthropic-messages": _anthropic_conversation,
+                 "gemini-chat": _gemini_conversation}
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("protocol", sorted(CONVERSATIONS))
+def test_every_protocols_conversation_is_one_chain_with_its_tool_loop(emulator, start_proxy, tmp_path,
+                                                                      protocol, streamed):
+    record_file = tmp_path / "records.jsonl"
+    proxy = start_proxy(emulator.url, "--set", f"stateful_record_file={record_file}")
+    CONVERSATIONS[protocol](proxy.url, streamed)
+    served = [r for r in emulator.model.snapshot_log() if r["status_code"] == 200]
+    assert len(served) == 3  # the call, the answer to its result, the answer to "thanks"
+    wait_for_lines(record_file, len(served))
+    lines = [json.loads(line) for line in record_file.read_text().splitlines()]
+    assert {line["protocol"] for line in lines} == {protocol}
+    records = [line["continuation"] for line in lines]
+    assert all(set(r) == SEED_KEYS for r in records)
+    assert len({r["chainId"] for r in records}) == 1, "one conversation, one chain"
+    for before, after in zip(records, records[1:], strict=False):
+        assert after["previousTurnId"] == before["turnId"] and after["stickyScope"] == "conversation"
+    call, result = records[0], records[1]
+    assert call["toolContinuation"]["mode"] == "tool_calls" and call["toolContinuation"]["pendingToolCallIds"]
+    assert result["toolContinuation"]["submittedToolCallIds"] == call["toolContinuation"]["pendingToolCallIds"]
+    assert result["stateOrigin"] == "tool-loop"
+    for line in lines:  # the audit is never silent, and says there is no server-side continuation
+        mapping = line["audit"]["protocolMapping"]
+        assert any(mapping[d] for d in ("preserved", "lossy", "dropped", "unsupported"))
+        assert mapping["unsupported"], "no server-side continuation must be said"
+    assert "Paris" not in record_file.read_text() and "21C" not in record_file.read_text()
