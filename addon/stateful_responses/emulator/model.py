@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import errors
-from .conversation import CALL_PATTERN, Call, ConversationAPI, Conversation, canonical, context_digest, decide
+from .conversation import CALL_PATTERN, Call, Conversation, ConversationAPI, canonical, context_digest, decide
 from .errors import APIError
 from .shapes import is_item_reference, listed_item, new_id, response_object
 from .store import BackgroundJob, ResponseStore, StoredResponse
