@@ -1,21 +1,12 @@
-"""mitmproxy entry script: ``mitmdump -s addon/stateful_responses.py``.
+"""mitmproxy entry script of a checkout: ``mitmdump -s addon/stateful_responses.py``.
 
-The logic lives in the ``stateful_responses`` package beside this file (a
-package directory wins over this module of the same name on import). mitmproxy's hot
-reload re-runs only this script, so the package is purged from ``sys.modules``
-first and every reload picks up package changes too.
+It runs the package's own entry script, ``stateful_responses/mitmproxy_script.py``
+(the one an installed wheel is loaded from), so both behave alike: the package
+is purged on every hot reload, and a missing dependency is one clear message.
 """
 
 import os
-import sys
+import runpy
 
-_here = os.path.dirname(os.path.abspath(__file__))
-if _here not in sys.path:
-    # mitmproxy puts the script's folder on sys.path only while loading it.
-    sys.path.insert(0, _here)
-for _name in [n for n in sys.modules if n == "stateful_responses" or n.startswith("stateful_responses.")]:
-    del sys.modules[_name]
-
-from stateful_responses.addon import make_addons  # noqa: E402
-
-addons = make_addons()
+addons = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "stateful_responses",
+                                     "mitmproxy_script.py"))["addons"]
