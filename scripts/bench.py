@@ -52,7 +52,7 @@ from driver import httpx  # noqa: E402
 from harness import start_mitmdump  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
 from stateful_responses import turns as turns_module  # noqa: E402
-from stateful_responses.emulator import Emulator, server as emulator_server  # noqa: E402
+from stateful_responses.emulator import Emulator  # noqa: E402
 from stateful_responses.planner import Planner, Request  # noqa: E402
 from stateful_responses.recorder import Recorder  # noqa: E402
 from stateful_responses.settings import Settings  # noqa: E402
@@ -61,15 +61,6 @@ from stateful_responses.storage.memory import MemoryStorage  # noqa: E402
 from stateful_responses.storage.redis import RedisStorage  # noqa: E402
 from stateful_responses.storage.sqlite import SQLiteStorage  # noqa: E402
 from stateful_responses.turns import Tenant  # noqa: E402
-
-# Two ways the emulator's HTTP server differs from real upstreams, changed for
-# the benchmarks (here and in EmulatorProcess, forked from this one): it writes
-# an answer's head and body in two sends, and with Nagle's algorithm on the
-# second waits for the proxy's delayed ACK (40 ms on Linux) in a share of
-# requests; and it queues 5 connections at most, so that 32 agents connecting
-# at once get some reset. Either would drown what is measured here.
-emulator_server._Handler.disable_nagle_algorithm = True
-emulator_server._Server.request_queue_size = 128
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for a city.",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]

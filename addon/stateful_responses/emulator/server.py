@@ -65,6 +65,9 @@ class Route(NamedTuple):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # An answer's head and body go out in two sends: with Nagle's algorithm a
+    # share of them would wait 40 ms for a delayed ACK, as no real API server does.
+    disable_nagle_algorithm = True
     server: _Server
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet
@@ -303,6 +306,7 @@ def _parsed(body: bytes) -> Any:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 128  # many agents connecting at once, as a real API server takes them
     allow_reuse_address = True
 
     def __init__(self, address: tuple[str, int], model: ResponsesModel) -> None:
