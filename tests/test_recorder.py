@@ -178,3 +178,30 @@ async def test_retrieve_shapes():
     assert whole == answer(1)
     listed = listed_items(await recorder.input_items(ALICE, turn, records.get), "resp_1")
     assert listed[0]["id"].startswith("msg_") and listed[0]["type"] == "message" and listed[1]["id"] == "msg_c"
+
+
+async def test_a_cold_walk_fetches_ancestors_in_batches_not_one_by_one():
+    recorder, records = Recorder(ttl=60), Records()
+    expected = await chain_of(recorder, records, ALICE, 100)
+    calls: list[int] = []
+
+    async def counting_get(table, keys):
+        calls.append(len(keys))
+        return await records.get(table, keys)
+
+    cold = Recorder(ttl=60)
+    assert [json.loads(i) for i in await cold.context(ALICE, "resp_99", counting_get)] == \
+        [json.loads(i) for i in expected]
+    assert len(calls) <= 12, calls  # 100 turns: a few ancestor batches and the items, not 100 round trips
+
+
+async def test_one_id_with_two_contents_in_one_process_is_never_expanded():
+    recorder, records = Recorder(ttl=60), Records()
+    recorder.record(ALICE, response=answer(1, "first"), previous_response_id=None, raw_input=[user("a")],
+                    stored_upstream=True)
+    recorder.record(ALICE, response=answer(1, "second"), previous_response_id=None, raw_input=[user("b")],
+                    stored_upstream=True)
+    records.apply(recorder)
+    for reader in (recorder, Recorder(ttl=60)):
+        with pytest.raises(ChainError):
+            await reader.context(ALICE, "resp_1", records.get)

@@ -16,7 +16,6 @@ through an outbox and misses are looked up by the glue (as ``planner.py``).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -129,8 +128,10 @@ class Turn:
         """``protocolMapping``: every entry of the lift and of the addon's changes, by disposition."""
         entries = list(self.request.audit) + (list(self.answer.audit) if self.answer else []) + self.changes
         mapping: dict[str, list[dict[str, Any]]] = {d: [] for d in DISPOSITIONS}
-        for entry in entries:
-            mapping[entry.disposition].append(dataclasses.asdict(entry))
+        for e in entries:
+            mapping[e.disposition].append({"field": e.field, "disposition": e.disposition, "reason": e.reason,
+                                           "sourceProtocol": e.sourceProtocol, "targetProtocol": e.targetProtocol,
+                                           "source": e.source})
         return mapping
 
 
@@ -161,7 +162,8 @@ class ChainIndex:
         names what the backing store may know better (``resolve``). Keyed
         with the store's secret: every proxy sharing the store names alike."""
         root = blake3(b"chains\x00" + credential, key=secret).digest()
-        digests = [blake3(canonical_json(m)).digest(16) for m in request.messages]
+        digests = request.digests if request.digests is not None else \
+            [blake3(canonical_json(m)).digest(16) for m in request.messages]
         sequence = ItemSequence(root, digests)
 
         def responses_key(response_id: str) -> bytes:

@@ -35,7 +35,7 @@ def request_of(flow: http.HTTPFlow, req: http.Request | None = None) -> Request:
     return Request(
         method=req.method,
         url=req.url,
-        headers={k.lower(): v for k, v in req.headers.items()},
+        headers=req.headers,  # case-insensitive; the planner reads a few by name
         body=req.raw_content or b"",
         content_encoding=req.headers.get("content-encoding", ""),
         proxy_user="\x00".join(map(str, proxy_user)) if isinstance(proxy_user, tuple) else "",

@@ -261,6 +261,7 @@ class Planner:
     clock: Callable[[], float] = field(default=time.time, repr=False)
     _secret: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
     _outbox: list[Write] = field(default_factory=list, repr=False)
+    _last_read: tuple | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.store = PrefixStore(self.settings.max_chains)
@@ -269,6 +270,7 @@ class Planner:
         if settings.max_chains != self.settings.max_chains:
             self.store = PrefixStore(settings.max_chains)
         self.settings = settings
+        self._last_read = None
 
     @property
     def secret(self) -> bytes:
@@ -281,6 +283,7 @@ class Planner:
         learned under another secret is unreachable and is dropped."""
         if secret != self._secret:
             self._secret = secret
+            self._last_read = None
             self.store.clear()
             self.marks.clear()
             self.refs.clear()
@@ -351,7 +354,20 @@ class Planner:
         """A Responses API request the addon may act on, read; or the plan to
         leave it alone, with the reason. The same rules for forward mode and
         store emulation: a body whose meaning depends on the parser is never
-        read (issue 17)."""
+        read (issue 17). The same request read again (the record, then forward
+        mode) is read once: bytes are immutable, so the same object is the
+        same body."""
+        last = self._last_read
+        if last is not None and last[0] is request.body and last[1] == (request.url, request.method) \
+                and last[2] == self.credential_material(request) and isinstance(last[3], Reading):
+            if count:
+                self.counters.requests += 1
+            return last[3]
+        reading = self._read(request, count)
+        self._last_read = (request.body, (request.url, request.method), self.credential_material(request), reading)
+        return reading
+
+    def _read(self, request: Request, count: bool) -> Reading | Plan:
         s = self.settings
         if not s.enabled:
             return Plan("pass", "addon disabled")

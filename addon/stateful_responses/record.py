@@ -21,13 +21,14 @@ import threading
 import time
 from collections import OrderedDict
 
+import msgspec
 from mitmproxy import ctx, http
 
 from .continuation import CHAIN_TIPS, ChainIndex, Turn, audit_entry, chain_tag
 from .emulation import EMULATION
 from .glue import HELD, RETRY_OF, internal_error, request_of
-from .planner import Planner
-from .protocols import AnswerLifter, detect, lift_request
+from .planner import Planner, Reading
+from .protocols import AnswerLifter, LiftedRequest, detect, lift_request, responses
 from .router import ROUTED
 from .sse import LiftReader
 from .statestore import StateStore
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 CONTINUATION = "continuation"
 AUDIT = "audit"
 MAX_TURNS = 10_000
+SPANS = frozenset({"input", "tools", "metadata", "text", "include", "reasoning"})  # big or irrelevant: not decoded
 
 
 class RecordFile:
@@ -99,7 +101,7 @@ class ContinuationRecord:
             return
         await self.state.ready()
         try:
-            lifted = lift_request(protocol, flow.request.url, flow.request.raw_content or b"")
+            lifted = self._lift(protocol, flow)
             if lifted is None:
                 flow.metadata[CONTINUATION] = None
                 entry = audit_entry("body", "unsupported", "not this protocol's JSON: no conversation to record",
@@ -121,6 +123,16 @@ class ContinuationRecord:
             flow.comment = chain_tag(turn.chain_id)
         except Exception:
             internal_error(self.planner.counters, "lifting a request")
+
+    def _lift(self, protocol: str, flow: http.HTTPFlow) -> LiftedRequest | None:
+        """The request lifted; a Responses request through the planner's own
+        reading (its items' digests are cached), never parsed twice."""
+        if protocol == "openai-responses":
+            reading = self.planner.read(request_of(flow), count=False)
+            if isinstance(reading, Reading) and reading.raw_items is not None:
+                small = {k: msgspec.json.decode(v) for k, v in reading.fields.items() if k not in SPANS}
+                return responses.lift_read(small, reading.raw_items, reading.digests)
+        return lift_request(protocol, flow.request.url, flow.request.raw_content or b"")
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         entry = self._turns.get(flow.id)

@@ -41,12 +41,15 @@ class Turn:
     body: TurnBody
 
 
+_CONFLICT = object()  # memory's mark of an id recorded with two contents
+
+
 @dataclass
 class Recorder:
     ttl: float
     max_depth: int = 1000
     clock: Callable[[], float] = field(default=time.time, repr=False)
-    turns: Bounded = field(default_factory=lambda: Bounded(4096), repr=False)  # turn key -> record
+    turns: Bounded = field(default_factory=lambda: Bounded(4096), repr=False)  # turn key -> Turn, or its record
     items: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)  # item key -> item JSON
     inputs: Bounded = field(default_factory=lambda: Bounded(4096), repr=False)  # (tenant, input digest) -> id
     _outbox: list[Write] = field(default_factory=list, repr=False)
@@ -90,9 +93,19 @@ class Recorder:
         shell = {k: v for k, v in response.items() if k != "output"}
         body = TurnBody(response_id, previous_response_id, base, input_keys, output_keys, _ENCODE(shell))
         fingerprint_of = (previous_response_id, rolling[-1] if rolling else b"", output_keys)
-        key, record = tenant.seal_turn(body, created=self.clock(), size=size + len(body.response),
-                                       stored_upstream=stored_upstream, fingerprint_of=fingerprint_of)
-        self.turns.put(key, record)
+        ancestors: list[bytes] = []
+        if previous_response_id is not None:
+            parent_key = tenant.turn_key(previous_response_id)
+            parent = self.turns.get(parent_key)
+            ancestors = [parent_key] + (parent.header.ancestors if isinstance(parent, Turn) else [])
+        key, header, record = tenant.seal_turn(body, created=self.clock(), size=size + len(body.response),
+                                               stored_upstream=stored_upstream, fingerprint_of=fingerprint_of,
+                                               ancestors=ancestors)
+        known = self.turns.get(key)
+        if isinstance(known, Turn) and known.header.fingerprint != header.fingerprint or known is _CONFLICT:
+            self.turns.put(key, _CONFLICT)  # one id, two contents: never expanded (the store drops it too)
+        else:
+            self.turns.put(key, Turn(header, body))
         if rolling:
             self.inputs.put((tenant.tag, rolling[-1]), response_id)
         self._outbox.append(Write(TURNS, key, record, self.ttl, new=True, label=response_id))
@@ -114,18 +127,30 @@ class Recorder:
 
     async def turn(self, tenant: Tenant, response_id: str, get: GetRecords) -> Turn | None:
         """One recorded turn of this tenant, or None (unknown, expired, a
-        conflict, sealed for someone else)."""
+        conflict, sealed for someone else). Memory keeps turns opened; a turn
+        read from the store brings its ancestors' records along."""
         key = tenant.turn_key(response_id)
-        record = self.turns.hit(key)
-        if record is None:
-            record = (await get(TURNS, [key])).get(key)
-            if record is None:
-                return None
-            self.turns.put(key, record)
-        opened = tenant.open_turn(response_id, record)
-        if opened is None or opened[0].status == "conflict":
+        known = self.turns.hit(key)
+        if isinstance(known, Turn):
+            return known
+        if known is _CONFLICT:
             return None
-        return Turn(*opened)
+        record = known if isinstance(known, bytes) else (await get(TURNS, [key])).get(key)
+        if record is None:
+            return None
+        opened = tenant.open_turn(response_id, key, record)
+        if opened is None or opened[0].status == "conflict":
+            self.turns.pop(key, None)
+            return None
+        turn = Turn(*opened)
+        self.turns.put(key, turn)
+        ancestors = turn.header.ancestors
+        missing = [k for k in ancestors if k not in self.turns] if ancestors and ancestors[0] not in self.turns \
+            else []
+        if missing:  # the walk's next step would be a round trip: make it one for many steps
+            for ancestor, ancestor_record in (await get(TURNS, missing)).items():
+                self.turns.put(ancestor, ancestor_record)  # opened when the walk gets there
+        return turn
 
     async def context(self, tenant: Tenant, previous_response_id: str, get: GetRecords) -> list[bytes]:
         """The items of the chain ending at ``previous_response_id``, oldest

@@ -206,6 +206,10 @@ class StateStore:
         assert self._queue is not None
         while True:
             writes, done = await self._queue.get()
+            finished = [done]
+            while not self._queue.empty():  # what queued meanwhile goes in the same few calls
+                more, also_done = self._queue.get_nowait()
+                writes, finished = writes + more, finished + [also_done]
             try:
                 if self.up and self.storage is not None:
                     self._inflight = writes
@@ -215,8 +219,9 @@ class StateStore:
                 self._failed(e)
             finally:
                 self._inflight = []
-                if not done.done():
-                    done.set_result(None)
+                for future in finished:
+                    if not future.done():
+                        future.set_result(None)
 
     # -- commands ----------------------------------------------------------------
 
@@ -273,25 +278,26 @@ def _limits(spec: str) -> dict[str, int]:
 
 
 async def _apply(storage: Storage, writes: list[Write]) -> None:
-    """Apply writes in order, batching runs of puts to one table."""
-    run: dict[bytes, bytes] = {}
-    run_key: tuple[str, float] | None = None
+    """Apply writes as few calls as the outcome allows: what counts is each
+    key's last write, so puts are grouped by table and expiry, deletes by
+    table; a turn that must not replace another is checked on its own."""
+    last: dict[tuple[str, bytes], Write] = {}
     for write in writes:
-        if write.new:
+        last.pop((write.table, write.key), None)  # the newest write of a key keeps its place
+        last[(write.table, write.key)] = write
+    puts: dict[tuple[str, float], dict[bytes, bytes]] = {}
+    deletes: dict[str, list[bytes]] = {}
+    for write in last.values():
+        if write.new and write.value is not None:
             write = await _unless_conflicting(storage, write)
-        if write.value is not None and run_key in (None, (write.table, write.ttl)):
-            run_key = (write.table, write.ttl)
-            run[write.key] = write.value
-            continue
-        if run:
-            await storage.put(run_key[0], run, run_key[1])
-            run, run_key = {}, None
         if write.value is None:
-            await storage.delete(write.table, [write.key])
+            deletes.setdefault(write.table, []).append(write.key)
         else:
-            run_key, run = (write.table, write.ttl), {write.key: write.value}
-    if run:
-        await storage.put(run_key[0], run, run_key[1])
+            puts.setdefault((write.table, write.ttl), {})[write.key] = write.value
+    for table, keys in deletes.items():
+        await storage.delete(table, keys)
+    for (table, ttl), records in puts.items():
+        await storage.put(table, records, ttl)
 
 
 async def _unless_conflicting(storage: Storage, write: Write) -> Write:

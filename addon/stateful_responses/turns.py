@@ -30,6 +30,7 @@ TURNS = "turns"  # turn key -> TurnHeader (body sealed)
 ITEMS = "items"  # item key -> sealed item JSON
 
 KEY_SIZE = 16
+ANCESTORS = 32
 _NONCE = 12
 _SEAL_CONTEXT = "stateful-responses 2026-11 recorded turn seal"
 
@@ -50,6 +51,9 @@ class TurnHeader(msgspec.Struct, array_like=True, frozen=True):
     fingerprint: bytes  # keyed digest of the body: the same id recorded again with other content shows
     stored_upstream: bool  # the upstream's answer proved it stored this response itself
     sealed: bytes
+    # Keys of the turns above it in its chain, nearest first (at most
+    # ANCESTORS): a cold walk fetches them in one round trip, not one each.
+    ancestors: list[bytes] = []
 
 
 _BODY = msgspec.msgpack.Decoder(TurnBody)
@@ -93,19 +97,19 @@ class Tenant:
             return None
 
     def seal_turn(self, body: TurnBody, *, created: float, size: int, stored_upstream: bool,
-                  fingerprint_of: object) -> tuple[bytes, bytes]:
-        """(key, record) of one turn. ``fingerprint_of`` is what makes two
-        recordings of one id the same content (whatever their compression)."""
+                  fingerprint_of: object, ancestors: list[bytes]) -> tuple[bytes, TurnHeader, bytes]:
+        """(key, header, record) of one turn. ``fingerprint_of`` is what makes
+        two recordings of one id the same content (whatever their compression)."""
         key = self.turn_key(body.response_id)
         fingerprint = blake3(self.tag + _ENCODE(fingerprint_of), key=self._secret).digest(KEY_SIZE)
         header = TurnHeader("completed", created, size, fingerprint, stored_upstream,
-                            self.seal(_ENCODE(body), key))
-        return key, _ENCODE(header)
+                            self.seal(_ENCODE(body), key), ancestors[:ANCESTORS])
+        return key, header, _ENCODE(header)
 
-    def open_turn(self, response_id: str, record: bytes) -> tuple[TurnHeader, TurnBody] | None:
-        """A recorded turn, or None: unreadable, sealed for someone else, or
-        under another id. Never someone else's content."""
-        key = self.turn_key(response_id)
+    def open_turn(self, response_id: str, key: bytes, record: bytes) -> tuple[TurnHeader, TurnBody] | None:
+        """A recorded turn (``key`` is its ``turn_key``), or None: unreadable,
+        sealed for someone else, or under another id. Never someone else's
+        content."""
         try:
             header = _HEADER.decode(record)
         except (msgspec.DecodeError, msgspec.ValidationError):

@@ -66,6 +66,9 @@ class LiftedRequest:
     submitted_tool_results: list[ToolResult]
     audit: list[AuditEntry]
     hints: dict[str, Any]
+    # The messages' digests, when the caller already has them (the planner's,
+    # for Responses items: the same normal form): nothing is hashed twice.
+    digests: list[bytes] | None = None
 
 
 @dataclass

@@ -74,6 +74,25 @@ def lift_request(url: str, doc: Any) -> LiftedRequest | None:
     items = as_item_list(doc["input"]) if "input" in doc else []
     if items is None:
         return None
+    return _lifted(doc, [normalize_item(i) for i in items], _submitted_tool_results(items), None)
+
+
+def lift_read(doc: dict, raw_items: list[bytes], digests: list[bytes]) -> LiftedRequest:
+    """The same lift from a request the planner has already read: its small
+    fields in ``doc``, its items as raw spans with their digests. Only the
+    items after the last model item are parsed (the tool results it submits),
+    so recording costs next to nothing on top of planning."""
+    tail: list[Any] = []  # the submitted results, and the model's calls before them (their names)
+    for raw in reversed(raw_items):
+        item = parse_json(raw)
+        if tail and _is_model_item(tail[-1]) and not _is_model_item(item):
+            break
+        tail.append(item)
+    tail.reverse()
+    return _lifted(doc, [], _submitted_tool_results(tail), digests)
+
+
+def _lifted(doc: dict, messages: list, submitted: list[ToolResult], digests: list[bytes] | None) -> LiftedRequest:
     audit = Audit(PROTOCOL, "request")
     audit.note("input", "preserved", "items compared in items.normalize_item's form")
     instructions = doc.get("instructions")
@@ -96,12 +115,13 @@ def lift_request(url: str, doc: Any) -> LiftedRequest | None:
         protocol=PROTOCOL,
         model=model if isinstance(model, str) else None,
         stream=doc.get("stream") is True,
-        messages=[normalize_item(i) for i in items],
+        messages=messages,
         system=system,
         previous_response_id=previous,
-        submitted_tool_results=_submitted_tool_results(items),
+        submitted_tool_results=submitted,
         audit=audit.entries,
         hints={},
+        digests=digests,
     )
 
 
