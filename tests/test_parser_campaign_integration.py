@@ -163,7 +163,7 @@ class DuplicateTopKey:
 
     def write(self, body: dict, style: Style) -> bytes:
         real = body.get(self.key)
-        other = decoy(real) if self.key in body else self.ABSENT[self.key]
+        other = decoy(real) if self.key in body else self.ABSENT.get(self.key, "decoy")
         first, last = (other, real) if self.decoy_first else (real, other)
         return write(twice(body, self.key, first, last), style)
 
@@ -390,7 +390,7 @@ class Judge:
         SEEN["ambiguous answers"] += odd_answer is not None
         parent = final.get("previous_response_id")
         if odd_answer:
-            why = f"an answer parsers read differently ({odd_answer})"
+            why = f"an answer parsers read differently ({odd_answer}): {shortened(answer.content)!r}"
         elif odd_input:
             why = f"a request whose items parsers read differently ({odd_input})"
         elif parent is not None and parent not in self.clean:
@@ -479,8 +479,8 @@ class AnswerWriting:
     """How the next answer is written. ``quirk``: clean (only the style's
     spelling) | id | status | store | output | item (a key twice, first
     different from last: the truth and a decoy) | surrogate (a lone one in the
-    output text). For ``status`` and ``store`` the truth is "not stored" and
-    the decoy says stored. ``empty_terminal_output``: an SSE answer whose final
+    output text). For ``status`` the truth is "incomplete", for ``store`` it
+    is false: not stored either way, and the decoy says otherwise. ``empty_terminal_output``: an SSE answer whose final
     event leaves ``output`` empty, so the items come from ``output_item.done``."""
 
     quirk: str
@@ -561,13 +561,14 @@ class OddAnswerUpstream:
         w = self.writing
         rid = f"resp_{next(self._serial)}"
         status = "incomplete" if w.quirk == "status" else "completed"
-        stored = body.get("store", True) is not False and w.quirk not in ("status", "store")
+        store = body.get("store", True) is not False and w.quirk != "store"  # echoed as the API does
+        stored = store and status == "completed"
         context = chain + items
         output = [self._output(context, bool(body.get("tools")), w.quirk == "surrogate")]
         if stored:
             self._stored[(credential, rid)] = context + output
         truth = {"id": rid, "object": "response", "status": status, "model": body.get("model"), "output": output,
-                 "previous_response_id": previous, "store": stored}
+                 "previous_response_id": previous, "store": store}
         record.update(status_code=200, context=context, response_id=rid, stored=stored, ids={rid, rid + "_decoy"})
         if body.get("stream"):
             record["answer"] = self._events(truth, w)
@@ -702,3 +703,23 @@ def test_odd_writing_keeps_the_meaning_under_both_readings(value, style):
     text = write(value, style)
     assert first_difference(strict_json.loads(text), value) is None
     assert first_difference(json.loads(text), value) is None
+
+
+@settings(max_examples=200, derandomize=True)
+@given(ambiguities, styles, st.lists(st.builds(dict, role=st.just("user"), content=texts), min_size=1, max_size=3))
+def test_every_ambiguity_the_campaign_writes_is_read_by_python_and_refused_by_the_judge(quirk, style, items):
+    raw = quirk.write({"model": MODEL, "tools": TOOLS, "input": items}, style)
+    json.loads(raw)  # the upstream (Python) reads it: the campaign tests ambiguity, not garbage
+    with pytest.raises(NotStrictJSON):
+        strict_json.loads(raw)
+
+
+def test_the_judge_reads_the_parts_that_matter_on_their_own():
+    odd_elsewhere = b'\xef\xbb\xbf{"tools": ["\xed\xa0\x80", NaN], "input": [{"role": "user", "content": "hi"}]}'
+    assert input_ambiguity(odd_elsewhere) is None
+    assert input_ambiguity(b'{"input": [], "\\u0069nput": []}') == "2 input members"
+    assert "duplicate key 'a'" in input_ambiguity(b'{"input": [{"a": 1, "a": 2}]}')
+    assert learned_fields_ambiguity(b'{"id": "resp_1", "tools": [NaN], "id": "resp_2"}') == "'id' written twice"
+    assert learned_fields_ambiguity(b'{"id": "resp_1", "tools": [NaN], "instructions": "\\ud800"}') is None
+    event = '{"type": "response.completed", "response": {"status": "completed", "status": "failed"}}'
+    assert learned_fields_ambiguity(event) == "in response: 'status' written twice"
