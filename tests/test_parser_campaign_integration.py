@@ -351,6 +351,7 @@ class Judge:
                     f"\n  upstream saw: {seen}\n  proxy said: {decisions}")
 
         assert records, report("NOTHING REACHED THE UPSTREAM")
+        assert all("status_code" in r for r in records), report("THE UPSTREAM BROKE DOWN WITHOUT ANSWERING")
         *refused, final = records
         rewrites = [r for r in records if r["body_sha256"] != sha]
         final_rewritten = final["body_sha256"] != sha
@@ -365,7 +366,7 @@ class Judge:
             parent = r.get("previous_response_id")
             assert parent is None or parent in self.clean, report(
                 f"CONTINUED FROM {parent}: {self.unsafe.get(parent, 'an id no answer gave as stored')}")
-        assert all(r in rewrites and 400 <= r["status_code"] < 500 for r in refused) and not (refused and final_rewritten), \
+        assert all(r["body_sha256"] != sha and 400 <= r["status_code"] < 500 for r in refused) and not (refused and final_rewritten), \
             report("THE UPSTREAM SAW MORE THAN A REFUSED REWRITE AND THEN THE CLIENT'S OWN BODY")
         assert not (final_rewritten and 400 <= final["status_code"] < 500), report("A REFUSAL OF THE REWRITE REACHED THE CLIENT")
         assert answer.status_code == final["status_code"], report(f"THE CLIENT GOT {answer.status_code}, NOT THE UPSTREAM'S ANSWER")
