@@ -22,9 +22,11 @@ else:
 
 Choices, and why:
 
-* Integers are kept exact at any size up to that limit: the standard library
-  and msgspec both read them exactly, and the addon compares items only by
-  value, so two integers equal under this reading are the same digits.
+* Integers are kept exact at any size up to that limit, as the standard
+  library and msgspec read them, so two integers equal under this reading are
+  the same number. (A parser that reads only doubles rounds those beyond
+  2**53; the addon never rewrites an item's digits, so an upstream sees the
+  client's own.)
 * ``-0`` reads as the integer 0. The standard library and msgspec read it so;
   JavaScript reads -0, which is ``=== 0`` and serialises back as ``0``: no
   mainstream parser gives it a meaning that differs from 0 when used or

@@ -481,8 +481,9 @@ class AnswerWriting:
     spelling) | id | status | store | output | item (a key twice, first
     different from last: the truth and a decoy) | surrogate (a lone one in the
     output text). For ``status`` the truth is "incomplete", for ``store`` it
-    is false: not stored either way, and the decoy says otherwise. ``empty_terminal_output``: an SSE answer whose final
-    event leaves ``output`` empty, so the items come from ``output_item.done``."""
+    is false: not stored either way, and the decoy says otherwise.
+    ``empty_terminal_output``: an SSE answer whose final event leaves
+    ``output`` empty, so the items come from ``output_item.done``."""
 
     quirk: str
     decoy_first: bool
