@@ -441,6 +441,7 @@ def stack():
             proxy.stop()
 
 
+@pytest.mark.integration
 def test_oddly_written_requests_keep_their_meaning_or_pass_untouched(stack):
     emulator, proxy, http = stack
     SEEN.clear()
@@ -642,6 +643,7 @@ def odd_stack():
             proxy.stop()
 
 
+@pytest.mark.integration
 def test_oddly_written_answers_never_teach_what_the_client_reads_differently(odd_stack):
     upstream, proxy, http = odd_stack
     SEEN.clear()
