@@ -16,6 +16,6 @@ if _here not in sys.path:
 for _name in [n for n in sys.modules if n == "stateful_responses" or n.startswith("stateful_responses.")]:
     del sys.modules[_name]
 
-from stateful_responses.addon import StatefulResponses  # noqa: E402
+from stateful_responses.addon import make_addons  # noqa: E402
 
-addons = [StatefulResponses()]
+addons = make_addons()

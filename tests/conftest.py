@@ -8,6 +8,7 @@ import os
 
 import pytest
 from harness import start_mitmdump
+from redis_server import redis_server  # noqa: F401 (a fixture: a real redis-server on loopback)
 from stateful_responses.emulator import Emulator
 
 # Tests talk to 127.0.0.1 only; a proxy from the environment must not intercept that.
@@ -26,8 +27,8 @@ def start_proxy():
     """Start mitmdump with the addon; every proxy started is stopped at teardown."""
     started = []
 
-    def start(upstream: str, *extra: str, mode: str | None = None, script: bool = True):
-        started.append(start_mitmdump(upstream, *extra, mode=mode, script=script))
+    def start(upstream: str, *extra: str, **options):
+        started.append(start_mitmdump(upstream, *extra, **options))
         return started[-1]
 
     yield start

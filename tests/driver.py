@@ -117,6 +117,51 @@ class Conversation:
                 )
 
 
+@dataclass
+class ChainedConversation(Conversation):
+    """A client that keeps state with ``previous_response_id``: each request
+    carries only the items after the last answer. ``meant[k]`` is the whole
+    context request k means (every input and output before it, plus its own
+    input), as the API defines it."""
+
+    previous: str | None = None
+    meant: list[list] = field(default_factory=list)
+    _sent_upto: int = 0
+
+    def _create(self):
+        new = self.history[self._sent_upto:]
+        self.meant.append([_as_dict(i) for i in self.history])
+        kwargs = dict(model=self.model, input=new, tools=TOOLS, instructions=INSTRUCTIONS)
+        if self.previous is not None:
+            kwargs["previous_response_id"] = self.previous
+        if not self.stream:
+            response = self.client.responses.create(**kwargs)
+        else:
+            response = None
+            with self.client.responses.create(stream=True, **kwargs) as events:
+                for event in events:
+                    if event.type in ("response.completed", "response.failed", "response.incomplete"):
+                        response = event.response
+            assert response is not None, "stream ended without a terminal event"
+        self.previous = response.id
+        self._sent_upto = len(self.history) + len(response.output)
+        return response
+
+
+def _as_dict(item: Any) -> Any:
+    return item.model_dump(exclude_unset=True) if hasattr(item, "model_dump") else item
+
+
+def assert_chain_context_preserved(conv: ChainedConversation, log: list[dict]) -> None:
+    """For every request the client's SDK saw answered: the upstream's effective
+    context == the context its previous_response_id chain means."""
+    served = [r for r in log if r.get("status_code") == 200]
+    assert len(served) == len(conv.meant), (len(served), len(conv.meant))
+    for n, (meant, seen) in enumerate(zip(conv.meant, served, strict=True)):
+        assert drop_nulls(seen["context"]) == drop_nulls(expand_input(meant)), \
+            f"request {n}: the upstream's context differs from the chain the client named"
+
+
 _BOOKKEEPING = {"id", "status", "annotations", "logprobs"}
 
 

@@ -60,15 +60,16 @@ def mitmdump_args(mode: str, port: int, confdir: str, *extra: str, script: bool 
 class Proxy:
     """A mitmdump or mitmweb process; its output goes to a log in ``confdir``."""
 
-    def __init__(self, args: list[str], port: int, confdir: str, owns_confdir: bool = False) -> None:
+    def __init__(self, args: list[str], port: int, confdir: str, owns_confdir: bool = False,
+                 preexec_fn: Callable[[], None] | None = None) -> None:
         self.port = port
         self.confdir = confdir
         self.owns_confdir = owns_confdir
         self._stopped_output: str | None = None
-        self.log_path = Path(confdir) / "mitmdump.log"
+        self.log_path = Path(confdir) / f"mitmdump-{port}.log"
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
-            args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=preexec_fn
         )
 
     @property
@@ -81,6 +82,12 @@ class Proxy:
 
     def wait_ready(self, timeout: float = 30) -> None:
         wait_listening(self.port, self.process, "mitmdump", self.output, timeout)
+
+    def kill(self) -> str:
+        """``kill -9``: no clean shutdown at all."""
+        self.process.kill()
+        self.process.wait(5)
+        return self.stop()
 
     def stop(self) -> str:
         """Stop the process (and remove its confdir if it owns it); returns its
@@ -101,12 +108,16 @@ class Proxy:
         return self._stopped_output
 
 
-def start_mitmdump(upstream: str, *extra: str, mode: str | None = None, script: bool = True) -> Proxy:
-    """mitmdump on a free port with a confdir of its own, listening when returned."""
-    confdir = tempfile.mkdtemp(prefix="mitm-")
-    port = free_port()
+def start_mitmdump(upstream: str, *extra: str, mode: str | None = None, script: bool = True,
+                   confdir: str | None = None, port: int | None = None,
+                   preexec_fn: Callable[[], None] | None = None) -> Proxy:
+    """mitmdump listening when returned, on a free port (or ``port``), with a
+    confdir of its own (or ``confdir``, which outlives it: a restart)."""
+    owns = confdir is None
+    confdir = confdir or tempfile.mkdtemp(prefix="mitm-")
+    port = port or free_port()
     proxy = Proxy(mitmdump_args(mode or f"reverse:{upstream}", port, confdir, *extra, script=script),
-                  port, confdir, owns_confdir=True)
+                  port, confdir, owns_confdir=owns, preexec_fn=preexec_fn)
     try:
         proxy.wait_ready()
     except BaseException:

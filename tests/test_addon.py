@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import runpy
 import sys
@@ -9,7 +10,8 @@ import sys
 import pytest
 from harness import ADDON
 from mitmproxy.test import taddons, tflow, tutils
-from stateful_responses.addon import META, StatefulResponses
+from stateful_responses.addon import make_addons
+from stateful_responses.view import META
 
 UPSTREAM_OUTPUT = [{"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
                     "content": [{"type": "output_text", "text": "hi!", "annotations": []}]}]
@@ -27,6 +29,41 @@ def responses_flow(body: dict | bytes, answer: dict | None = None) -> tflow.HTTP
     return tflow.tflow(req=req, resp=resp)
 
 
+class Glue:
+    """The addons as the entry script lists them, in mitmproxy's test context,
+    with an in-memory store."""
+
+    def __init__(self, **options) -> None:
+        self.addons = make_addons()
+        self.options, self.state, self.emulation, self.forward, self.replays = self.addons
+        self.planner = self.forward.planner
+        self._options = {"stateful_store": "memory", **options}
+
+    async def __aenter__(self):
+        self._context = taddons.context(*self.addons)
+        self.tctx = self._context.__enter__()
+        self.tctx.configure(self.options, **self._options)
+        self.state.running()
+        for _ in range(200):  # the store connects in the background
+            if self.state.up:
+                break
+            await asyncio.sleep(0.01)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.state.done()
+        self._context.__exit__(*exc)
+
+    async def request(self, flow) -> None:
+        await self.forward.request(flow)
+
+    def responseheaders(self, flow) -> None:
+        self.forward.responseheaders(flow)
+
+    async def response(self, flow) -> None:
+        await self.forward.response(flow)
+
+
 def stream_through(addon, flow, data: bytes, chunk: int = 7) -> bytes:
     """What the client receives when ``data`` streams through the addon's tap."""
     addon.responseheaders(flow)
@@ -38,13 +75,12 @@ def stream_through(addon, flow, data: bytes, chunk: int = 7) -> bytes:
 
 async def test_a_conversation_is_continued_and_traced_on_the_flow(caplog):
     caplog.set_level("INFO")
-    addon = StatefulResponses()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, stateful_debug=True)
+    async with Glue(stateful_debug=True) as addon:
+
         first = [{"role": "user", "content": "hello"}]
         answer = {"id": "resp_1", "status": "completed", "store": True, "output": UPSTREAM_OUTPUT}
         f = responses_flow({"model": "m", "input": first}, answer)
-        addon.request(f)
+        await addon.request(f)
         assert json.loads(f.request.content)["store"] is True
         assert f.request.headers["content-length"] == str(len(f.request.raw_content))
         stream_through(addon, f, json.dumps(answer).encode())
@@ -53,7 +89,7 @@ async def test_a_conversation_is_continued_and_traced_on_the_flow(caplog):
 
         second = first + UPSTREAM_OUTPUT + [{"role": "user", "content": "again"}]
         f2 = responses_flow({"model": "m", "input": second, "tools": []})
-        addon.request(f2)
+        await addon.request(f2)
         sent = json.loads(f2.request.content)
         assert sent == {"model": "m", "input": second[-1:], "tools": [], "previous_response_id": "resp_1", "store": True}
         assert f2.comment == "continued from resp_1: 1 of 3 items sent"
@@ -62,11 +98,10 @@ async def test_a_conversation_is_continued_and_traced_on_the_flow(caplog):
 
 
 async def test_the_tap_passes_every_byte_unchanged_even_when_reading_fails():
-    addon = StatefulResponses()
-    with taddons.context(addon):
+    async with Glue() as addon:
         f = responses_flow({"model": "m", "input": "hello"}, {})
         f.response.headers["content-type"] = "text/event-stream"
-        addon.request(f)
+        await addon.request(f)
         garbage = b"data: {\xff\xfe broken\r\n\r\n" * 100 + b"\x00" * 1000
         assert stream_through(addon, f, garbage) == garbage
         await addon.response(f)
@@ -74,8 +109,7 @@ async def test_the_tap_passes_every_byte_unchanged_even_when_reading_fails():
 
 
 async def test_an_internal_error_lets_the_original_request_through(monkeypatch, caplog):
-    addon = StatefulResponses()
-    with taddons.context(addon):
+    async with Glue() as addon:
         body = json.dumps({"model": "m", "input": "secret prompt text"}).encode()
         f = responses_flow(body)
 
@@ -83,7 +117,7 @@ async def test_an_internal_error_lets_the_original_request_through(monkeypatch, 
             raise KeyError("secret prompt text")
 
         monkeypatch.setattr(addon.planner, "plan", explode)
-        addon.request(f)
+        await addon.request(f)
         assert f.request.raw_content == body
         assert addon.planner.counters.errors == 1
         assert "internal error (KeyError" in caplog.text
@@ -91,36 +125,34 @@ async def test_an_internal_error_lets_the_original_request_through(monkeypatch, 
 
 
 async def test_other_traffic_is_not_touched_and_leaves_no_trace():
-    addon = StatefulResponses()
-    with taddons.context(addon):
+    async with Glue() as addon:
         f = tflow.tflow(req=tutils.treq(method=b"POST", path=b"/v1/chat/completions",
                                         content=b'{"model": "m", "messages": []}'))
-        addon.request(f)
+        await addon.request(f)
         assert META not in f.metadata and not f.comment
         assert f.request.content == b'{"model": "m", "messages": []}'
 
 
 async def test_disabled_touches_nothing():
-    addon = StatefulResponses()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, stateful_enabled=False)
+    async with Glue(stateful_enabled=False) as addon:
+
         f = responses_flow({"model": "m", "input": "hello"})
         before = f.request.raw_content
-        addon.request(f)
+        await addon.request(f)
         assert f.request.raw_content == before and META not in f.metadata
 
 
 async def test_commands_stats_and_clear():
-    addon = StatefulResponses()
-    with taddons.context(addon) as tctx:
+    async with Glue() as addon:
+        commands = addon.tctx.master.commands
         answer = {"id": "resp_1", "status": "completed", "store": True, "output": UPSTREAM_OUTPUT}
         f = responses_flow({"model": "m", "input": "hello"}, answer)
-        addon.request(f)
+        await addon.request(f)
         await addon.response(f)
-        stats = tctx.master.commands.call("stateful.stats")
+        stats = commands.call("stateful.stats")
         assert "requests=1" in stats and "branches=1" in stats
-        tctx.master.commands.call("stateful.clear")
-        assert "branches=0" in tctx.master.commands.call("stateful.stats")
+        commands.call("stateful.clear")
+        assert "branches=0" in commands.call("stateful.stats")
 
 
 def test_reloading_the_entry_script_reloads_the_package():
@@ -132,15 +164,14 @@ def test_reloading_the_entry_script_reloads_the_package():
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "many"])
-def test_configure_rejects_bad_values_in_process(value):
+async def test_configure_rejects_bad_values_in_process(value):
     from mitmproxy import exceptions
 
-    addon = StatefulResponses()
-    with taddons.context(addon) as tctx:
+    async with Glue() as addon:
         with pytest.raises(exceptions.OptionsError, match="stateful_max_chains"):
-            tctx.options.deferred["stateful_max_chains"] = value
-            addon._option_errors = addon._prevalidate(tctx.options)
-            tctx.configure(addon)
+            addon.tctx.options.deferred["stateful_max_chains"] = value
+            addon.options._errors = addon.options._prevalidate(addon.tctx.options)
+            addon.tctx.configure(addon.options)
 
 
 def rendered(flow) -> tuple[str, str]:
@@ -155,15 +186,14 @@ def rendered(flow) -> tuple[str, str]:
 
 
 async def test_mitmweb_view_shows_the_decision_and_both_bodies():
-    addon = StatefulResponses()
-    with taddons.context(addon):
+    async with Glue() as addon:
         answer = {"id": "resp_1", "status": "completed", "store": True, "output": UPSTREAM_OUTPUT}
         f = responses_flow({"model": "m", "input": [{"role": "user", "content": "hello"}]}, answer)
-        addon.request(f)
+        await addon.request(f)
         await addon.response(f)
         f2 = responses_flow({"model": "m", "input": [{"role": "user", "content": "hello"}] + UPSTREAM_OUTPUT
                              + [{"role": "user", "content": "again"}]})
-        addon.request(f2)
+        await addon.request(f2)
         name, text = rendered(f2)
         assert name == "Stateful Responses"
         assert "decision: continue (extends resp_1)" in text
@@ -180,8 +210,7 @@ async def test_the_store_learns_before_the_last_bytes_reach_the_client(kind):
     it must already find this answer stored."""
     from stateful_responses.emulator import sse_events
 
-    addon = StatefulResponses()
-    with taddons.context(addon):
+    async with Glue() as addon:
         answer = {"id": "resp_1", "status": "completed", "store": True, "output": UPSTREAM_OUTPUT}
         f = responses_flow({"model": "m", "input": "hello"}, answer)
         if kind == "sse":
@@ -190,12 +219,12 @@ async def test_the_store_learns_before_the_last_bytes_reach_the_client(kind):
         else:
             data = json.dumps(answer).encode()
             f.response.headers["content-length"] = str(len(data))
-        addon.request(f)
+        await addon.request(f)
         addon.responseheaders(f)
         assert f.response.stream(data) == data  # the last bytes, on their way to the client
         nxt = responses_flow({"model": "m", "input": [{"role": "user", "content": "hello"}] + UPSTREAM_OUTPUT
                               + [{"role": "user", "content": "next"}]})
-        addon.request(nxt)  # before f's stream ended and before its response hook
+        await addon.request(nxt)  # before f's stream ended and before its response hook
         assert nxt.metadata[META]["action"] == "continue"
         f.response.stream(b"")
         await addon.response(f)

@@ -5,7 +5,12 @@ import sys
 
 from harness import ROOT
 
-CORE = [f"stateful_responses.{m}" for m in ("items", "store", "planner", "sse", "settings")]
+CORE = [f"stateful_responses.{m}" for m in (
+    "items", "store", "planner", "sse", "settings", "state", "chain", "turns", "recorder",
+    "storage", "storage.memory", "storage.sqlite", "storage.redis",
+    "protocols", "protocols.common", "protocols.responses", "protocols.chat", "protocols.anthropic",
+    "protocols.gemini",
+)]
 
 
 def test_the_core_imports_without_mitmproxy():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import openai
 import pytest
@@ -99,3 +100,26 @@ def test_the_openai_sdk_reads_it(emulator):
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model="m", input="x", previous_response_id="resp_nope")
     client.close()
+
+
+def test_a_slow_uplink_paces_how_fast_request_bodies_are_read(emulator):
+    emulator.model.control({"read_rate_bytes_per_s": 10_000_000})
+    began = time.monotonic()
+    status, _ = post(emulator, {"model": "m", "input": "x" * 1_000_000})
+    assert status == 200 and time.monotonic() - began >= 0.08  # 1 MB at 10 MB/s: about 0.1 s
+    assert last(emulator)["body_bytes"] > 1_000_000
+
+
+@pytest.mark.parametrize("options,obfuscated", [({}, True), ({"include_obfuscation": False}, False)])
+def test_deltas_carry_obfuscation_unless_the_client_opts_out(emulator, options, obfuscated):
+    _, text = post(emulator, {"model": "m", "input": "x", "stream": True, "stream_options": options}, stream=True)
+    deltas = [e for e in map(json.loads, (line[6:] for line in text.splitlines() if line.startswith("data: ")))
+              if e["type"].endswith(".delta")]
+    assert deltas and all(("obfuscation" in e) is obfuscated for e in deltas)
+
+
+def test_a_stream_error_fault_is_a_server_error_when_not_streaming(emulator):
+    emulator.model.control({"fail_next": [{"kind": "stream_error"}]})
+    status, body = post(emulator, {"model": "m", "input": "x"})
+    assert status == 500 and body["error"]["type"] == "server_error"
+    assert last(emulator)["fault"] == "stream_error"

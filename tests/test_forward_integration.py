@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from driver import Conversation, assert_context_preserved, httpx, user_turns
+from driver import Conversation, assert_context_preserved, drop_nulls, httpx, user_turns
 
 
 def get_log(emulator) -> list[dict]:
@@ -44,3 +44,32 @@ def test_sse_bytes_reach_the_client_unchanged(proxy, emulator):
     record = get_log(emulator)[-1]
     assert record["continued"] is True
     assert received == record["sse"].encode()
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["same-proxy", "after-a-restart"])
+def test_output_echoed_by_reference_continues_at_the_limit(emulator, start_proxy, tmp_path, restart):
+    """Issue 16: clients such as Vercel's AI SDK echo earlier output items as
+    ``item_reference``; a reference to an output item equals that item."""
+    confdir = str(tmp_path)
+    proxy = start_proxy(emulator.url, confdir=confdir)
+    history: list = []
+    with httpx.Client(trust_env=False, timeout=30) as c:
+        for n in range(8):
+            if restart and n == 4:
+                proxy.stop()
+                proxy = start_proxy(emulator.url, confdir=confdir, port=proxy.port)
+            history.append({"role": "user", "content": f"turn {n}"})
+            r = c.post(proxy.url + "/v1/responses", json={"model": "gpt-test", "input": history},
+                       headers={"authorization": "Bearer sk-ref"})
+            assert r.status_code == 200
+            history += [{"type": "item_reference", "id": item["id"]} for item in r.json()["output"]]
+    log = get_log(emulator)
+    assert all(r["continued"] for r in log[1:]), [r["continued"] for r in log]
+    assert all(r["input_items"] == 1 for r in log)  # only the new user message crossed the wire
+    # what the model saw: every reference resolved to the item it names, in order
+    outputs = {o["id"]: o for r in log for o in r["output"]}
+    for record in log:
+        sent = history[: len(record["context"])]
+        expected = [outputs[i["id"]] if i.get("type") == "item_reference" else i for i in sent]
+        assert drop_nulls(record["context"]) == drop_nulls(expected)
+    assert len(log[-1]["context"]) + len(log[-1]["output"]) == len(history)

@@ -7,7 +7,7 @@ import json
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from stateful_responses.items import item_digest, normalize_item
+from stateful_responses.items import Ambiguous, DigestCache, item_digest, normalize_item, raw_item_digest
 
 OUTPUT_MESSAGE = {
     "type": "message", "id": "msg_1", "status": "completed", "role": "assistant", "phase": "final_answer",
@@ -31,7 +31,7 @@ def same(a, b) -> bool:
         ({"role": "user", "content": "hi"},
          {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}),
         (FUNCTION_CALL, {**FUNCTION_CALL, "arguments": '{"days":2,"city":"Paris"}', "id": None}),
-        (REASONING, {**REASONING, "content": None, "id": "rs_other"}),
+        (REASONING, {**REASONING, "content": None, "status": None}),
         (FUNCTION_CALL, dict(reversed(list(FUNCTION_CALL.items())))),
     ],
     ids=["ids-status", "null-keys", "easy-assistant", "easy-user", "arguments-whitespace",
@@ -56,12 +56,72 @@ def test_reshaped_echoes_are_equal(upstream, echo):
         ({"type": "item_reference", "id": "msg_1"}, {"type": "item_reference", "id": "msg_2"}),
         ({"type": "function_call_output", "call_id": "c", "output": "1"},
          {"type": "function_call_output", "call_id": "c", "output": "2"}),
+        # Issue 18: a type-less reference is a reference, equal only to itself.
+        ({"id": "msg_1"}, {"id": "msg_2"}),
+        ({"id": "msg_1", "type": None}, {"id": "msg_2"}),
+        # Issue 18: the same key names are content on some item types, and deeper down.
+        (REASONING, {**REASONING, "id": "rs_other"}),
+        ({"type": "apply_patch_call_output", "call_id": "c", "status": "completed", "output": ""},
+         {"type": "apply_patch_call_output", "call_id": "c", "status": "failed", "output": ""}),
+        ({"type": "program_output", "status": "ok"}, {"type": "program_output", "status": "error"}),
+        ({"type": "local_shell_call_output", "id": "call_1", "output": "ok"},
+         {"type": "local_shell_call_output", "id": "call_2", "output": "ok"}),
+        ({"type": "mcp_list_tools", "server_label": "s", "tools": [{"name": "t", "annotations": {"readOnlyHint": True}}]},
+         {"type": "mcp_list_tools", "server_label": "s", "tools": [{"name": "t", "annotations": {"readOnlyHint": False}}]}),
+        ({"type": "mcp_list_tools", "server_label": "s", "tools": [{"name": "t", "annotations": {"readOnlyHint": True}}]},
+         {"type": "mcp_list_tools", "server_label": "s", "tools": [{"name": "t"}]}),
+        ({"type": "mcp_list_tools", "server_label": "s",
+          "tools": [{"name": "t", "input_schema": {"properties": {"x": {"default": None}}}}]},
+         {"type": "mcp_list_tools", "server_label": "s",
+          "tools": [{"name": "t", "input_schema": {"properties": {"x": {}}}}]}),
+        ({"type": "new_kind", "id": "x_1", "status": "a"}, {"type": "new_kind", "id": "x_1", "status": "b"}),
+        ({"type": ["odd"], "id": "x_1", "status": "a"}, {"type": ["odd"], "id": "x_1", "status": "b"}),
+        (FUNCTION_CALL, {**FUNCTION_CALL, "arguments": '{"city": "Paris", "days": 2.00}'}),
+        (FUNCTION_CALL, {**FUNCTION_CALL, "arguments": '{"city": "Paris", "days": 2, "days": 2}'}),
     ],
     ids=["other-text", "other-phase", "dropped-phase", "other-role", "easy-other-role", "other-argument",
-         "int-vs-float", "other-call-id", "other-reasoning", "other-reference", "other-tool-result"],
+         "int-vs-float", "other-call-id", "other-reasoning", "other-reference", "other-tool-result",
+         "typeless-references", "null-type-reference", "reasoning-id", "apply-patch-status",
+         "program-output-status", "local-shell-output-id", "mcp-tool-annotations", "mcp-tool-annotations-dropped",
+         "schema-null-default", "unknown-type-status", "non-string-type", "argument-decimal-scale", "argument-duplicate-key"],
 )
 def test_changes_of_meaning_are_never_equal(a, b):
     assert not same(a, b)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"type": "message", "role": "user", "role": "assistant", "content": "x"}',
+        b'{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a", "text": "b"}]}',
+        b'{"type": "function_call_output", "call_id": "c", "output": "\\ud800"}',
+        b'{"type": "function_call_output", "call_id": "c", "output": NaN}',
+    ],
+    ids=["duplicate-key", "duplicate-key-deep", "lone-surrogate", "nan"],
+)
+def test_items_that_parsers_read_differently_are_ambiguous(raw):
+    with pytest.raises(Ambiguous):
+        raw_item_digest(raw)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [("1e400", "1e401"), ("1.00000000000000000001", "1.0"), ("-0", "0"),
+     ("123456789012345678901234567890", "123456789012345678901234567891")],
+)
+def test_numbers_a_parser_would_round_together_stay_apart(a, b):
+    """Issue 17: two literals equal only to a rounding parser never compare equal."""
+    item = b'{"type": "function_call_output", "call_id": "c", "output": [%s]}'
+    assert raw_item_digest(item % a.encode()) != raw_item_digest(item % b.encode())
+
+
+def test_the_digest_cache_checks_an_ambiguous_item_once_and_always_refuses_it():
+    cache = DigestCache()
+    ambiguous = b'{"role": "user", "content": "a", "content": "b"}'
+    for _ in range(2):
+        with pytest.raises(Ambiguous):
+            cache.digests([b'{"role": "user", "content": "ok"}', ambiguous])
+    assert len(cache) == 2
 
 
 def test_non_json_arguments_compare_as_text():

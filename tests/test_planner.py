@@ -40,7 +40,8 @@ class ReferenceUpstream:
         stored = body.get("store", True) is not False and store_ok
         if stored:
             self.stored[(key, rid)] = context + output
-        return 200, {"id": rid, "status": "completed", "store": stored, "output": output}, context
+        return 200, {"id": rid, "status": "completed", "store": stored, "previous_response_id": prev,
+                     "output": output}, context
 
 
 def assistant_output(n: int) -> list:
@@ -185,7 +186,7 @@ def test_unfinished_answers_teach_nothing(status):
     outcome = planner.settle(plan, 200, {"id": "resp_1", "status": status, "store": True, "output": assistant_output(1)})
     assert outcome.kind == "dropped"
     assert planner.plan(request(conv + assistant_output(1) + [{"role": "user", "content": "y"}])).action == "full"
-    assert "resp_1" not in str(planner.stats()) and not planner.unsupported
+    assert "resp_1" not in str(planner.stats()) and planner.stats()["unsupported_upstreams"] == 0
 
 
 def test_string_input_starts_a_chain():
@@ -322,3 +323,221 @@ def test_a_key_in_the_query_string_or_a_proxy_credential_separates_tenants():
     assert planner.plan(other_query).action == "full"
     other_proxy_user = Request(base.method, URL, {**base.headers, "proxy-authorization": "Basic Yjpi"}, base.body)
     assert planner.plan(other_proxy_user).action == "full"
+    proxyauth_user = Request(base.method, URL, base.headers, base.body, proxy_user="alice\x00secret")
+    assert planner.plan(proxyauth_user).action == "full"
+
+
+def test_a_credential_in_the_upstream_path_never_reaches_the_scope_label():
+    planner = Planner()
+    url = "https://user:pw@gw.example.test:8443/key/sk-path-secret/v1/responses"
+    plan = planner.plan(Request("POST", url, {"authorization": "Bearer sk-header-secret"},
+                                json.dumps({"model": "m", "input": "x"}).encode()))
+    assert plan.scope_label.startswith("https://gw.example.test:8443 (upstream #")
+    for secret in ("sk-path-secret", "sk-header-secret", "user", "pw", "/key"):
+        assert secret not in plan.scope_label and secret not in plan.scope
+
+
+# -- issue 18: transient refusals, and answers that prove nothing --------------
+
+@pytest.mark.parametrize("status", [408, 425, 429])
+def test_a_transient_4xx_teaches_nothing_and_forgets_nothing(status):
+    planner, upstream = Planner(), ReferenceUpstream()
+    conv = [{"role": "user", "content": "x"}]
+    _, response, _ = send(planner, upstream, "k", conv, assistant_output(1))
+    nxt = conv + response["output"] + [{"role": "user", "content": "y"}]
+    plan = planner.plan(request(nxt, "k"))
+    assert plan.action == "continue"
+    assert planner.settle(plan, status, None).kind == "transient"
+    assert planner.plan(request(nxt, "k")).action == "continue"  # the parent is still valid
+    first = planner.plan(request([{"role": "user", "content": "z"}], store=False))
+    assert first.forced_store and planner.settle(first, status, None).kind == "transient"
+    assert planner.plan(request([{"role": "user", "content": "z"}], store=False)).forced_store
+
+
+def _answer(rid, **fields):
+    return {"id": rid, "status": "completed", "output": assistant_output(1), **fields}
+
+
+def test_an_answer_without_store_proves_nothing_until_the_upstream_echoed_a_continuation():
+    planner = Planner()
+    conv = [{"role": "user", "content": "x"}]
+    nxt = conv + assistant_output(1) + [{"role": "user", "content": "y"}]
+    assert planner.settle(planner.plan(request(conv)), 200, _answer("resp_1")).kind == "ignored"
+    assert planner.plan(request(nxt)).action == "full"
+    # the client's own continuation is answered with the id echoed: the upstream honours it
+    watched = planner.plan(request([{"role": "user", "content": "q"}], previous_response_id="resp_0"))
+    assert watched.action == "pass" and watched.watched
+    planner.settle(watched, 200, _answer("resp_w", previous_response_id="resp_0"))
+    assert planner.settle(planner.plan(request(conv)), 200, _answer("resp_2")).kind == "advanced"
+    assert planner.plan(request(nxt)).action == "continue"
+    # trust is per upstream + credential
+    other = planner.plan(request(conv, "other"))
+    assert planner.settle(other, 200, _answer("resp_3")).kind == "ignored"
+
+
+def test_a_continuation_whose_answer_does_not_echo_the_id_is_not_built_upon():
+    planner = Planner()
+    conv = [{"role": "user", "content": "x"}]
+    planner.settle(planner.plan(request(conv)), 200, _answer("resp_1", store=True))
+    nxt = conv + assistant_output(1) + [{"role": "user", "content": "y"}]
+    plan = planner.plan(request(nxt))
+    assert plan.action == "continue"
+    assert planner.settle(plan, 200, _answer("resp_2", store=True)).kind == "ignored"
+    third = nxt + assistant_output(1) + [{"role": "user", "content": "z"}]
+    assert planner.plan(request(third)).previous_response_id == "resp_1"
+    null_echo = planner.plan(request(third))
+    assert planner.settle(null_echo, 200, _answer("resp_3", store=True, previous_response_id=None)).kind == "unsupported"
+
+
+# -- issue 17: bodies whose meaning depends on the parser ----------------------
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model":"m","input":[{"role":"user","content":"short"}],"input":[{"role":"user","content":"real"}]}',
+        b'{"model":"m","input":[{"role":"user","content":"same"}],"input":[{"role":"user","content":"same"}]}',
+        b'{"model":"m","store":false,"store":true,"input":"x"}',
+        b'{"model":"m","input":[{"role":"user","content":"a","content":"b"}]}',
+        b'{"model":"m","input":[{"role":"user","content":"\\ud800x"}]}',
+        b'{"model":"m","input":[{"type":"function_call_output","call_id":"c","output":Infinity}]}',
+    ],
+    ids=["duplicate-input", "duplicate-identical-input", "duplicate-store", "duplicate-in-item",
+         "lone-surrogate", "infinity"],
+)
+def test_ambiguous_bodies_pass_byte_identical(body):
+    planner = Planner()
+    plan = planner.plan(Request("POST", URL, {}, body))
+    assert (plan.action, plan.reason, plan.body) == ("pass", "ambiguous body", None)
+    assert planner.stats()["ambiguous"] == 1
+
+
+def test_a_duplicated_input_key_is_counted_as_ambiguous_and_never_continued():
+    planner, upstream = Planner(), ReferenceUpstream()
+    conv = [{"role": "user", "content": "real"}]
+    _, response, _ = send(planner, upstream, "k", conv, assistant_output(1))
+    history = json.dumps(conv + response["output"] + [{"role": "user", "content": "next"}]).encode()
+    body = b'{"model":"gpt-test","input":[{"role":"user","content":"short"}],"input":' + history + b"}"
+    plan = planner.plan(Request("POST", URL, {"authorization": "Bearer k"}, body))
+    assert (plan.action, plan.reason, plan.body) == ("pass", "ambiguous body", None)
+    assert planner.stats()["ambiguous"] == 1
+
+
+@given(st.lists(st.sampled_from([" ", "\t", "\n", "\r\n", ""]), min_size=6, max_size=6))
+def test_unusual_whitespace_between_top_level_fields_is_not_ambiguous(ws):
+    pieces = ["{", '"model"', ":", '"m"', ",", '"input"', ':"x"}']
+    body = "".join(p + w for p, w in zip(pieces, ws + [""], strict=True)) + ws[0]
+    assert Planner().plan(Request("POST", URL, {}, body.encode())).action == "full"
+
+
+# -- issue 10: what outlives the process -----------------------------------------
+
+def test_what_the_planner_learns_reaches_the_outbox_and_a_fresh_planner_continues_from_it():
+    from stateful_responses.state import ENTRIES, MARKS, REFS, entries_found
+
+    first, upstream = Planner(), ReferenceUpstream()
+    conv = [{"role": "user", "content": "x"}]
+    _, response, _ = send(first, upstream, "k", conv, assistant_output(1))
+    writes = first.take_writes()
+    assert sorted(w.table for w in writes) == [ENTRIES, REFS] and first.take_writes() == []
+    stored = {w.key: w.value for w in writes if w.table == ENTRIES}
+
+    # a restart: same secret (the store's), empty memory
+    second = Planner()
+    second.use_secret(first._secret)
+    nxt = conv + response["output"] + [{"role": "user", "content": "y"}]
+    plan = second.plan(request(nxt, "k"))
+    assert plan.action == "full" and plan.forced_store
+    keys = second.lookups(plan)
+    assert keys and set(stored) <= set(keys)
+    second.improve(plan, entries_found({k: stored[k] for k in keys if k in stored}))
+    assert plan.action == "continue" and plan.previous_response_id == response["id"]
+    sent = json.loads(plan.body)
+    assert sent["input"] == nxt[-1:] and sent["store"] is True
+    assert second.counters.continued == 1 and second.counters.full_items == 0
+
+    # a planner with another secret cannot use them
+    third = Planner()
+    plan = third.plan(request(nxt, "k"))
+    third.improve(plan, entries_found(stored))
+    assert plan.action == "full"
+
+    # marks travel too
+    first.settle(first.plan(request(conv, "zdr")), 200,
+                 {"id": "r", "status": "completed", "store": False, "output": assistant_output(1)})
+    marks = {w.key: w.value for w in first.take_writes() if w.table == MARKS}
+    second.marks.load(marks)
+    assert second.plan(request(conv, "zdr")).action == "pass"
+
+
+def test_a_refused_parent_is_deleted_from_the_store_too():
+    planner, upstream = Planner(), ReferenceUpstream()
+    conv = [{"role": "user", "content": "x"}]
+    _, response, _ = send(planner, upstream, "k", conv, assistant_output(1))
+    planner.take_writes()
+    plan = planner.plan(request(conv + response["output"] + [{"role": "user", "content": "y"}], "k"))
+    assert planner.settle(plan, 400, None).kind == "retry"
+    assert [(w.key, w.value) for w in planner.take_writes()] == [(plan.parent, None)]
+
+
+def test_entries_and_marks_expire():
+    now = [1000.0]
+    planner, upstream = Planner(Settings(ttl_days=1), clock=lambda: now[0]), ReferenceUpstream()
+    conv = [{"role": "user", "content": "x"}]
+    _, response, _ = send(planner, upstream, "k", conv, assistant_output(1))
+    nxt = conv + response["output"] + [{"role": "user", "content": "y"}]
+    assert planner.plan(request(nxt, "k")).action == "continue"
+    planner.settle(planner.plan(request(conv, "zdr")), 200,
+                   {"id": "r", "status": "completed", "store": False, "output": assistant_output(1)})
+    assert planner.plan(request(conv, "zdr")).action == "pass"
+    now[0] += 86400
+    assert planner.plan(request(nxt, "k")).action == "full"
+    assert planner.plan(request(conv, "zdr")).action == "full"
+
+
+def test_an_unreadable_stored_record_is_ignored():
+    from stateful_responses.state import entries_found
+
+    assert entries_found({b"k": b"\x00garbage", b"j": b""}) == {}
+
+
+# -- issue 16: clients that echo earlier output by reference ------------------------
+
+def test_an_item_reference_to_an_output_item_equals_that_item():
+    planner, upstream = Planner(), ReferenceUpstream()
+    conv = [{"role": "user", "content": "x"}]
+    _, response, _ = send(planner, upstream, "k", conv, tool_output(1))
+    call = response["output"][0]
+    by_reference = conv + [{"type": "item_reference", "id": call["id"]},
+                           {"type": "function_call_output", "call_id": call["call_id"], "output": "ok"}]
+    plan = planner.plan(request(by_reference, "k"))
+    assert plan.action == "continue" and plan.items_sent == 1
+    typeless = conv + [{"id": call["id"]}, {"type": "function_call_output", "call_id": call["call_id"], "output": "ok"}]
+    assert planner.plan(request(typeless, "k")).action == "continue"
+    # never across namespaces, and an unknown id stays itself
+    assert planner.plan(request(by_reference, "other-tenant")).action == "full"
+    unknown = conv + [{"type": "item_reference", "id": "fc_unknown"}, by_reference[-1]]
+    assert planner.plan(request(unknown, "k")).action == "full"
+
+
+def test_a_reference_the_store_resolves_after_a_restart():
+    from stateful_responses.state import ENTRIES, REFS, entries_found
+
+    first, upstream = Planner(), ReferenceUpstream()
+    conv = [{"role": "user", "content": "x"}]
+    _, response, _ = send(first, upstream, "k", conv, tool_output(1))
+    writes = first.take_writes()
+    second = Planner()
+    second.use_secret(first._secret)
+    call = response["output"][0]
+    items = conv + [{"type": "item_reference", "id": call["id"]},
+                    {"type": "function_call_output", "call_id": call["call_id"], "output": "ok"}]
+    plan = second.plan(request(items, "k"))
+    keys = second.unresolved_references(plan)
+    assert len(keys) == 1
+    second.learn_references({w.key: w.value for w in writes if w.table == REFS and w.key in keys})
+    second.discard(plan)
+    plan = second.plan(request(items, "k"))
+    assert second.unresolved_references(plan) == []
+    second.improve(plan, entries_found({w.key: w.value for w in writes if w.table == ENTRIES}))
+    assert plan.action == "continue" and plan.items_sent == 1
+    assert second.stats()["requests"] == 1 and second.stats()["continued"] == 1

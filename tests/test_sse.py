@@ -101,3 +101,29 @@ def test_cut_stream_ends_without_a_completed_response():
     data = stream_bytes()
     cut = data[: data.index(b"event: response.completed")]
     assert read(cut, [])["status"] == "in_progress"
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda text: text.replace('"id": "resp_1"', '"id": "resp_1", "id": "resp_other"'),
+        lambda text: text.replace('"text": "hello there"', '"text": "hello there", "text": "bye"'),
+        lambda text: text.replace('"text": "hello there"', '"text": "hello \\ud800there"'),
+        lambda text: text.replace('"status": "completed"', '"status": NaN, "status": "completed"', 1),
+    ],
+    ids=["duplicate-id", "duplicate-text", "lone-surrogate", "nan"],
+)
+@pytest.mark.parametrize("kind", ["json", "sse"])
+def test_answers_another_parser_reads_differently_teach_nothing(tamper, kind):
+    """Issue 17: what the addon learns is what every client reads."""
+    if kind == "json":
+        data = tamper(json.dumps(RESPONSE)).encode()
+        assert read(data, [5], content_type="application/json") is None
+    else:
+        data = tamper(stream_bytes().decode()).encode()
+        assert read(data, [50]) is None
+
+
+def test_invalid_utf8_in_an_event_teaches_nothing():
+    data = stream_bytes().replace(b"hello there", b"hello \xff there")
+    assert read(data, []) is None

@@ -8,81 +8,176 @@ comparison: the items sent upstream are always the client's own.
 Equivalences, each chosen because the upstream's stored form is at least as
 faithful as the client's re-shaped echo:
 
-* volatile keys (``id``, ``status``, ``created_at``, ``completed_at``,
-  ``annotations``, ``logprobs``, ``obfuscation``) are bookkeeping the upstream
-  regenerates; they never reach the model as content.
-* keys whose value is null: ``model_dump()`` adds them, the API treats a null
-  field as absent.
+* bookkeeping keys the API regenerates and never shows the model, and only
+  where they are bookkeeping: an item's own top level, per item type
+  (``TOP_LEVEL_BOOKKEEPING``), and a message's content parts
+  (``annotations``, ``logprobs``). Deeper, or on item types where the same
+  name is content, they are compared like everything else.
+* keys whose value is null, in the API's own structures: ``model_dump()`` adds
+  them and the API treats a null field as absent. Never inside a JSON schema
+  or other client data (``OPAQUE_KEYS``), where a null is a value.
 * an "easy" message ``{"role": r, "content": "text"}`` is the typed message
   with one text part (``output_text`` for the assistant, ``input_text``
   otherwise): the API expands it exactly so.
-* function-call ``arguments`` that are valid JSON compare as parsed JSON, so
-  whitespace and key order do not matter; another value still differs (an int
-  ``1`` and a float ``1.0`` differ too, on purpose).
+* function-call ``arguments`` that are valid, unambiguous JSON compare as
+  parsed JSON, so whitespace and key order do not matter; another value still
+  differs (an int ``1`` and a float ``1.0`` differ too, on purpose).
+
+An item with an ``id`` and no type is an item reference (the API and the openai
+SDK make ``type`` optional there): equal only to a reference to the same id.
 
 Anything else, including ``phase``, roles, text, reasoning items and their
-``encrypted_content``, must match exactly.
+``id`` and ``encrypted_content``, must match exactly.
+
+Items whose meaning depends on the JSON parser (duplicate keys, lone
+surrogates, numbers a parser would round, NaN) are ``Ambiguous``: the addon
+never changes a body holding one (issue 17).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from decimal import Decimal
 from typing import Any
 
+import msgspec
 from blake3 import blake3
 
-VOLATILE_KEYS = frozenset(
-    {"id", "status", "created_at", "completed_at", "annotations", "logprobs", "obfuscation"}
-)
 ITEM_DIGEST_SIZE = 16
 SEQUENCE_DIGEST_SIZE = 32
 
+# Bookkeeping at an item's top level, per type. A type not listed here (a new
+# one, say) keeps every key: comparing more strictly only costs a continuation.
+_REGENERATED = frozenset({"id", "status", "created_at", "completed_at"})
+TOP_LEVEL_BOOKKEEPING: dict[str | None, frozenset[str]] = {
+    "message": _REGENERATED,
+    "function_call": _REGENERATED,
+    "function_call_output": _REGENERATED,
+    "custom_tool_call": _REGENERATED,
+    "custom_tool_call_output": _REGENERATED,
+    "computer_call": _REGENERATED,
+    "computer_call_output": _REGENERATED,
+    "local_shell_call": _REGENERATED,
+    "shell_call": _REGENERATED,
+    "shell_call_output": _REGENERATED,
+    "apply_patch_call": _REGENERATED,
+    # The id names hidden reasoning the upstream fetches by it.
+    "reasoning": _REGENERATED - {"id"},
+    # The id links the output to its call.
+    "local_shell_call_output": _REGENERATED - {"id"},
+    # The status is the tool's result.
+    "apply_patch_call_output": _REGENERATED - {"status"},
+    "program_output": _REGENERATED - {"status"},
+}
+# A message's content parts: citations and token probabilities the upstream
+# attached to its own text; clients drop them (langchain) or keep them.
+PART_BOOKKEEPING = frozenset({"annotations", "logprobs"})
+# Client data inside an item, compared verbatim: a null there is a value.
+OPAQUE_KEYS = frozenset({"parameters", "input_schema", "schema", "json_schema", "arguments", "input"})
 
-def _strip(value: Any) -> Any:
+
+class Ambiguous(ValueError):
+    """Mainstream JSON parsers would not all read these bytes the same way."""
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise Ambiguous("duplicate key")  # first-wins, last-wins and refusing parsers disagree
+    return obj
+
+
+def _int(literal: str) -> Any:
+    # "-0" and "0" are one value to some parsers and two to others.
+    return Decimal(literal) if literal == "-0" else int(literal)
+
+
+def _constant(literal: str) -> Any:
+    raise Ambiguous(f"{literal} is not JSON")
+
+
+def strict_loads(data: bytes | str) -> Any:
+    """JSON read so that equal results mean equal to every mainstream parser:
+    duplicate keys and NaN/Infinity refused, numbers kept as written (a float
+    literal as its exact decimal; ``1e400`` or ``1.00000000000000000001`` are
+    not rounded into something equal to another literal). Lone surrogates are
+    caught when the value is encoded (``canonical_json``)."""
+    return json.loads(data, object_pairs_hook=_pairs, parse_float=Decimal, parse_int=_int,
+                      parse_constant=_constant)
+
+
+_CANONICAL = msgspec.json.Encoder(order="sorted", decimal_format="number")
+
+
+def canonical_json(value: Any) -> bytes:
+    """Deterministic bytes for a JSON value: sorted keys, no whitespace,
+    numbers as written. Raises Ambiguous for a lone surrogate, which some
+    parsers keep, some replace and some refuse."""
+    try:
+        return _CANONICAL.encode(value)
+    except UnicodeEncodeError:
+        raise Ambiguous("lone surrogate") from None
+
+
+def _drop_nulls(value: Any) -> Any:
     if isinstance(value, dict):
         return {
-            k: _strip(v)
+            k: (v if k in OPAQUE_KEYS else _drop_nulls(v))
             for k, v in value.items()
-            if v is not None and k not in VOLATILE_KEYS
+            if v is not None
         }
     if isinstance(value, list):
-        return [_strip(v) for v in value]
+        return [_drop_nulls(v) for v in value]
     return value
 
 
 def normalize_item(item: Any) -> Any:
-    """The comparison form of one input or output item."""
+    """The comparison form of one input or output item (parsed strictly)."""
     if not isinstance(item, dict):
         return {"$non_object": item}
-    kind = item.get("type")
-    if kind == "item_reference":
-        # The referenced id *is* the content of a reference.
-        return {"type": "item_reference", "id": item.get("id")}
-    out = _strip(item)
-    if kind in (None, "message") and "role" in out:
-        out["type"] = "message"
+    out = _drop_nulls(item)
+    kind = out.get("type")
+    if kind == "item_reference" or (kind is None and "id" in out and "role" not in out):
+        # The referenced id *is* the content of a reference: nothing is
+        # bookkeeping in it, so it equals only a reference to the same id.
+        return {**out, "type": "item_reference"}
+    if kind is None and "role" in out:
+        kind = out["type"] = "message"
+    bookkeeping = TOP_LEVEL_BOOKKEEPING.get(kind, frozenset()) if isinstance(kind, str) else frozenset()
+    out = {k: v for k, v in out.items() if k not in bookkeeping}
+    if kind == "message":
         content = out.get("content")
         if isinstance(content, str):
-            part = "output_text" if out["role"] == "assistant" else "input_text"
+            part = "output_text" if out.get("role") == "assistant" else "input_text"
             out["content"] = [{"type": part, "text": content}]
+        elif isinstance(content, list):
+            out["content"] = [
+                {k: v for k, v in p.items() if k not in PART_BOOKKEEPING} if isinstance(p, dict) else p
+                for p in content
+            ]
     elif kind == "function_call" and isinstance(out.get("arguments"), str):
         try:
-            out["arguments"] = {"$json": json.loads(out["arguments"])}
-        except ValueError:
+            out["arguments"] = {"$json": strict_loads(out["arguments"])}
+            canonical_json(out["arguments"])
+        except ValueError:  # not JSON, or ambiguous JSON: compare the text itself
             pass
     return out
 
 
-def canonical_json(value: Any) -> bytes:
-    """Deterministic bytes for a JSON value: sorted keys, no whitespace."""
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True
-    ).encode("ascii")
-
-
 def item_digest(item: Any) -> bytes:
     return blake3(canonical_json(normalize_item(item))).digest(ITEM_DIGEST_SIZE)
+
+
+def _raw_normal_form(raw: bytes) -> Any:
+    if raw[:1] != b"{":
+        raise ValueError("an item is not a JSON object")
+    return normalize_item(strict_loads(raw))
+
+
+def raw_item_digest(raw: bytes) -> bytes:
+    """The digest of one item's raw JSON; Ambiguous when parsers could disagree."""
+    return blake3(canonical_json(_raw_normal_form(raw))).digest(ITEM_DIGEST_SIZE)
 
 
 class ItemSequence:
@@ -125,6 +220,11 @@ def as_item_list(value: Any) -> list | None:
     return None
 
 
+_MISSING = object()
+
+
+
+
 class DigestCache:
     """Item digests by the exact raw bytes the client sent.
 
@@ -132,6 +232,7 @@ class DigestCache:
     recognising those bytes (one dict lookup: hashing and comparing bytes runs
     at memory speed) is far cheaper than parsing, normalizing and hashing them
     again. Keyed by the bytes themselves, so a hit is exact, never probable.
+    An ambiguous item is remembered too (as None), so its bytes are checked once.
 
     Two generations bound it: when the current one holds half the byte budget
     it becomes the old one and the previous old one is dropped; a hit in the
@@ -141,31 +242,46 @@ class DigestCache:
 
     def __init__(self, max_bytes: int = 32 * 1024 * 1024) -> None:
         self.max_bytes = max_bytes
-        self._current: dict[bytes, bytes] = {}
-        self._old: dict[bytes, bytes] = {}
+        self._current: dict[bytes, bytes | None] = {}
+        self._old: dict[bytes, bytes | None] = {}
         self._current_bytes = 0
+        # Digests of pure item references ({"type": "item_reference", "id": X})
+        # and the ids they name: one small lookup per item tells them apart.
+        self.references: dict[bytes, str] = {}
 
     def __len__(self) -> int:
         return len(self._current) + len(self._old)
 
     def digests(self, raws: list[bytes]) -> list[bytes]:
-        """Digests of JSON object spans; ValueError if one is not an object."""
+        """Digests of JSON object spans; ValueError if one is not an object,
+        Ambiguous if one could be read differently by another parser."""
         get = self._current.get
-        found = [get(r) for r in raws]
+        found = [get(r, _MISSING) for r in raws]
         for i, d in enumerate(found):
+            if d is _MISSING:
+                d = found[i] = self._miss(raws[i])
             if d is None:
-                found[i] = self._miss(raws[i])
-        return found
+                raise Ambiguous("an item reads differently in other parsers")
+        return found  # type: ignore[return-value]
 
-    def _miss(self, raw: bytes) -> bytes:
-        digest = self._old.pop(raw, None)
-        if digest is None:
-            if raw[:1] != b"{":
-                raise ValueError("an item is not a JSON object")
-            digest = item_digest(json.loads(raw))
+    def _miss(self, raw: bytes) -> bytes | None:
+        if raw in self._old:
+            digest = self._old.pop(raw)
+        else:
+            try:
+                normal = _raw_normal_form(raw)
+                digest = blake3(canonical_json(normal)).digest(ITEM_DIGEST_SIZE)
+            except Ambiguous:
+                digest = None
+            else:
+                if normal.keys() == {"type", "id"} and normal["type"] == "item_reference" \
+                        and isinstance(normal["id"], str):
+                    self.references[digest] = normal["id"]
         if len(raw) <= self.max_bytes // 4:
             if self._current_bytes + len(raw) > self.max_bytes // 2:
                 self._old, self._current, self._current_bytes = self._current, {}, 0
+                if len(self.references) > 65536:
+                    self.references.clear()
             self._current[raw] = digest
             self._current_bytes += len(raw)
         return digest

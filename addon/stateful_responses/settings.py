@@ -8,8 +8,11 @@ error that names the option.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from .storage import parse_store_spec
 
 PREFIX = "stateful_"
 _TRUE = {"true", "1", "yes", "on", ""}
@@ -63,14 +66,60 @@ def _check_models(name: str, models: tuple[str, ...]) -> tuple[str, ...]:
     return models
 
 
-PARSERS = {
-    "stateful_enabled": parse_bool,
-    "stateful_force_store": parse_bool,
-    "stateful_base_urls": lambda n, v: _check_urls(n, parse_list(n, v)),
-    "stateful_models": lambda n, v: _check_models(n, parse_list(n, v)),
-    "stateful_max_chains": parse_positive_int,
-    "stateful_debug": parse_bool,
+EMULATE_MODES = ("off", "auto", "always")
+
+
+def parse_emulate(name: str, value: object) -> str:
+    if isinstance(value, str) and value.strip().lower() in EMULATE_MODES:
+        return value.strip().lower()
+    raise SettingsError(f"{name}: expected one of {', '.join(EMULATE_MODES)}, got {value!r}")
+
+
+def parse_store(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise SettingsError(f"{name}: expected sqlite, sqlite:PATH, memory, redis://… or rediss://…")
+    try:
+        parse_store_spec(value)
+    except ValueError as e:
+        raise SettingsError(f"{name}: {e}") from None
+    return value.strip()
+
+
+# name: (parser, mitmproxy type, default, help). Values are parsed here, never
+# by mitmproxy (see the module docstring); lists are declared as lists.
+OPTIONS: dict[str, tuple[Any, Any, Any, str]] = {
+    "stateful_enabled": (parse_bool, bool, True, "Off: the addon touches nothing."),
+    "stateful_force_store": (
+        parse_bool, bool, True,
+        "Send store: true on requests the addon manages, so that a chain can start. "
+        "The upstream then retains conversations it would otherwise not.",
+    ),
+    "stateful_base_urls": (
+        lambda n, v: _check_urls(n, parse_list(n, v)), Sequence[str], [],
+        "Only flows whose upstream URL starts with one of these prefixes (empty: all).",
+    ),
+    "stateful_models": (
+        lambda n, v: _check_models(n, parse_list(n, v)), Sequence[str], [],
+        "Only these models; a trailing * is a wildcard (empty: all).",
+    ),
+    "stateful_max_chains": (parse_positive_int, int, 256, "How many conversation branches are kept in memory."),
+    "stateful_store": (
+        parse_store, str, "sqlite",
+        "Where state lives: sqlite (a file in the confdir), sqlite:PATH, memory, "
+        "or redis://[:password@]host:port/db / rediss://… shared by several proxies.",
+    ),
+    "stateful_ttl_days": (parse_positive_int, int, 30, "Days before anything remembered expires."),
+    "stateful_emulate": (
+        parse_emulate, str, "off",
+        "Store emulation for clients that send previous_response_id: off, auto (expand the chain when the "
+        "upstream cannot continue it), always (the proxy is the store). Keeps conversation content in the store.",
+    ),
+    "stateful_max_depth": (parse_positive_int, int, 1000, "Deepest previous_response_id chain expanded."),
+    "stateful_store_max_mb": (parse_positive_int, int, 512, "Size cap of the SQLite file, in MiB."),
+    "stateful_debug": (parse_bool, bool, False, "Log one line per decision."),
 }
+PARSERS = {name: spec[0] for name, spec in OPTIONS.items()}
+LIST_OPTIONS = frozenset(name for name, spec in OPTIONS.items() if spec[1] is Sequence[str])
 
 
 @dataclass(frozen=True)
@@ -80,6 +129,11 @@ class Settings:
     base_urls: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
     max_chains: int = 256
+    store: str = "sqlite"
+    ttl_days: int = 30
+    emulate: str = "off"
+    max_depth: int = 1000
+    store_max_mb: int = 512
     debug: bool = False
 
     @classmethod

@@ -5,14 +5,17 @@ content-encoded, FACTS.md) and finds the response object: from a JSON body, or
 from an SSE stream's events. It never changes, holds back or reorders bytes;
 it only looks. If anything about the answer cannot be read (unknown encoding,
 oversized event, broken JSON), it gives up quietly and the answer is simply not
-learned from.
+learned from. What it reads is read strictly (``items.strict_loads``): an answer
+that another client's parser could read differently (duplicate keys, lone
+surrogates, invalid UTF-8) teaches nothing (issue 17).
 """
 
 from __future__ import annotations
 
-import json
 import zlib
 from typing import Any
+
+from .items import canonical_json, strict_loads
 
 # Events that carry the whole response object (FACTS.md).
 RESPONSE_EVENTS = frozenset(
@@ -36,6 +39,15 @@ MAX_BUFFER = 64 * 1024 * 1024
 
 class Unreadable(Exception):
     pass
+
+
+def _read_strictly(text: str) -> Any:
+    """JSON as every client reads it, or ValueError. Lone surrogates can only
+    come from escapes, so the encoding check runs only when there are some."""
+    value = strict_loads(text)
+    if "\\u" in text:
+        canonical_json(value)
+    return value
 
 
 class _Decoder:
@@ -142,9 +154,9 @@ class SSEParser:
         if value.startswith(b" "):
             value = value[1:]
         if name == b"data":
-            self._data.append(value.decode("utf-8", "replace"))
+            self._data.append(value.decode("utf-8"))
         elif name == b"event":
-            self._event = value.decode("utf-8", "replace")
+            self._event = value.decode("utf-8")
 
 
 class AnswerReader:
@@ -197,7 +209,7 @@ class AnswerReader:
             return None
         if not self.is_sse:
             try:
-                body = json.loads(bytes(self._json))
+                body = _read_strictly(bytes(self._json).decode("utf-8"))
             except ValueError:
                 self._give_up()
                 return None
@@ -218,10 +230,9 @@ class AnswerReader:
     def _event(self, event: str, payload: str) -> None:
         if event and event not in INTERESTING_EVENTS:
             return  # deltas: skip the JSON parse
-        try:
-            data = json.loads(payload)
-        except ValueError:
-            return  # e.g. "[DONE]"
+        if payload.strip() == "[DONE]":
+            return
+        data = _read_strictly(payload)  # raises: the whole answer is given up
         if not isinstance(data, dict):
             return
         kind = data.get("type", event)

@@ -12,6 +12,10 @@ advances that branch; an answer from anywhere else starts a new one. Branches
 are evicted least-recently-used beyond ``max_branches``, and a branch keeps at
 most ``max_entries_per_branch`` entries (its newest), so memory is bounded by
 ``max_branches * max_entries_per_branch`` small entries whatever the traffic.
+Each entry also expires (the upstream forgets stored responses after a while).
+
+This is the in-process cache of what the addon knows; the backing store
+(``storage``) holds the same entries for other processes and restarts.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class Entry:
     response_id: str
     length: int
     branch: Branch
+    expires: float
 
 
 @dataclass(frozen=True)
@@ -61,17 +66,21 @@ class PrefixStore:
     def branch_count(self) -> int:
         return len(self._branches)
 
-    def deepest(self, prefixes: Sequence[bytes]) -> Match | None:
-        """The deepest stored sequence that ``prefixes`` strictly extends.
+    def deepest(self, prefixes: Sequence[bytes], now: float) -> Match | None:
+        """The deepest unexpired stored sequence that ``prefixes`` strictly extends.
 
         ``prefixes[k - 1]`` is the digest of the request's first k items; only
         k < len(prefixes) qualifies, so at least one item is always new.
         """
         for k in range(len(prefixes) - 1, 0, -1):
             entry = self._entries.get(prefixes[k - 1])
-            if entry is not None:
-                self._branches.move_to_end(entry.branch)
-                return Match(prefixes[k - 1], entry.response_id, entry.length)
+            if entry is None:
+                continue
+            if entry.expires <= now:
+                self.forget(prefixes[k - 1])
+                continue
+            self._branches.move_to_end(entry.branch)
+            return Match(prefixes[k - 1], entry.response_id, entry.length)
         return None
 
     def remember(
@@ -81,6 +90,7 @@ class PrefixStore:
         response_id: str,
         parent: bytes | None,
         scope: str,
+        expires: float,
     ) -> None:
         """Record that ``response_id`` stores the sequence named by ``digest``."""
         existing = self._entries.get(digest)
@@ -88,6 +98,7 @@ class PrefixStore:
             # Same content stored again: the newer id is the one likelier to be
             # retained upstream.
             existing.response_id = response_id
+            existing.expires = max(existing.expires, expires)
             self._branches.move_to_end(existing.branch)
             return
         parent_entry = self._entries.get(parent) if parent is not None else None
@@ -97,7 +108,7 @@ class PrefixStore:
             branch = Branch(scope)
             self._branches[branch] = None
         branch.entries.append(digest)
-        self._entries[digest] = Entry(response_id, length, branch)
+        self._entries[digest] = Entry(response_id, length, branch, expires)
         self._branches.move_to_end(branch)
         while len(branch.entries) > self.max_entries_per_branch:
             self._entries.pop(branch.entries.pop(0), None)

@@ -1,11 +1,11 @@
-"""The API's semantics, without HTTP: stored responses, continuation, the
-deterministic model, and fault injection.
+"""The API's semantics, without HTTP: stored responses, continuation, item
+references, background responses, the deterministic model, and fault injection.
 
-This is an oracle for the addon, so it follows the real API (FACTS.md), not
-the addon: responses are stored per credential; ``previous_response_id`` makes
-the context the stored chain (every input and output before) plus this input;
-``instructions`` and ``tools`` are not inherited; unknown or unstored parents
-get the API's own error body.
+This is an oracle for the addon, so it follows the real API (FACTS.md and
+docs/emulator.md), not the addon: responses are stored per credential;
+``previous_response_id`` makes the context the stored chain (every input and
+output before) plus this input; ``instructions`` and ``tools`` are not
+inherited; unknown or unstored parents get the API's own error body.
 """
 
 from __future__ import annotations
@@ -16,23 +16,18 @@ import random
 import re
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import errors
+from .errors import APIError
+from .shapes import is_item_reference, listed_item, new_id, response_object
+from .store import BackgroundJob, ResponseStore, StoredResponse
+
+__all__ = ["APIError", "Faults", "ResponsesModel", "canonical", "context_digest"]
+
 CALL_PATTERN = re.compile(r"call:([A-Za-z_][A-Za-z0-9_]*)\((\{.*?\})\)")
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
+LIST_ORDERS = ("asc", "desc")
 
 
 def canonical(value: Any) -> bytes:
@@ -54,14 +49,18 @@ def _text_of(item: dict) -> str:
 
 @dataclass
 class Faults:
-    """Run-time fault injection (set through the control endpoint)."""
+    """Run-time behaviour set through the control endpoint: injected faults,
+    and how fast the emulator reads, answers and finishes background work."""
 
     stateless: str | None = None  # "reject" (llama.cpp) | "ignore" (Ollama)
     echo_store: bool = True  # False: answers omit the ``store`` field
+    echo_previous: bool = True  # False: answers omit the ``previous_response_id`` field
     refuse_store: bool = False  # a zero-data-retention organization
     forget_probability: float = 0.0
-    slow_ms: int = 0
+    slow_ms: int = 0  # pause after each SSE event
     gzip: bool = False
+    background_delay_ms: int = 200  # a background response's time from queued to finished
+    read_rate_bytes_per_s: int = 0  # request bodies are read at this rate (0: as fast as they come)
     next: list[dict] = field(default_factory=list)  # one-shot faults, FIFO
 
     def take(self, continued: bool) -> dict | None:
@@ -72,11 +71,8 @@ class Faults:
         return None
 
 
-@dataclass
-class Stored:
-    response: dict
-    context: list  # the whole chain: every input and output up to and including this response
-    stored: bool
+SETTABLE = ("stateless", "echo_store", "echo_previous", "refuse_store", "forget_probability", "slow_ms", "gzip",
+            "background_delay_ms", "read_rate_bytes_per_s")
 
 
 class ResponsesModel:
@@ -84,28 +80,30 @@ class ResponsesModel:
         self._lock = threading.Lock()
         self._rng = random.Random(seed)
         self.faults = Faults()
-        self._stored: dict[tuple[str, str], Stored] = {}
+        self._store = ResponseStore()
+        self._jobs: dict[tuple[str, str], StoredResponse] = {}  # background responses not finished yet
         self.log: list[dict] = []
 
     # -- control -------------------------------------------------------------
 
     def control(self, command: dict) -> dict:
         with self._lock:
-            for key in ("stateless", "echo_store", "refuse_store", "forget_probability", "slow_ms", "gzip"):
+            for key in SETTABLE:
                 if key in command:
                     setattr(self.faults, key, command[key])
             if "fail_next" in command:
                 self.faults.next.extend(command["fail_next"])
-            for rid in command.get("forget", []):
-                for k in [k for k in self._stored if k[1] == rid]:
-                    del self._stored[k]
+            for response_id in command.get("forget", []):
+                self._store.forget(response_id)
             if command.get("forget_all"):
-                self._stored.clear()
+                self._store.clear()
+                self._jobs.clear()
             if command.get("reset"):
-                self._stored.clear()
+                self._store.clear()
+                self._jobs.clear()
                 self.log.clear()
                 self.faults = Faults()
-            return {"stored": len(self._stored), "log": len(self.log)}
+            return {"stored": self._store.continuable_count(), "log": len(self.log)}
 
     def record_stream(self, response_id: str, sent: bytes) -> None:
         """Keep the exact event-stream bytes sent for a response (before any
@@ -118,20 +116,23 @@ class ResponsesModel:
 
     def snapshot_log(self) -> list[dict]:
         with self._lock:
+            self._advance_background()
             return list(self.log)
 
-    # -- one request ---------------------------------------------------------
+    # -- POST /responses -----------------------------------------------------
 
-    def handle(self, credential: str, body: Any, body_bytes: int, raw_sha256: str = "") -> tuple[dict, dict | None]:
+    def create(self, credential: str, body: Any, body_bytes: int, raw_sha256: str = "") -> tuple[dict, dict | None]:
         """Validate, resolve context, answer. Returns (response, one-shot fault).
 
         Raises APIError with the API's status and body for refused requests.
         """
-        record: dict[str, Any] = {"body_bytes": body_bytes, "body_sha256": raw_sha256, "credential": hashlib.sha256(credential.encode()).hexdigest()[:8]}
+        record: dict[str, Any] = {"body_bytes": body_bytes, "body_sha256": raw_sha256,
+                                  "credential": hashlib.sha256(credential.encode()).hexdigest()[:8]}
         with self._lock:
+            self._advance_background()
             self.log.append(record)
             try:
-                response, fault = self._handle(credential, body, record)
+                response, fault = self._create(credential, body, record)
             except APIError as e:
                 record["error"] = e.body["error"]
                 record["status_code"] = e.status
@@ -139,80 +140,133 @@ class ResponsesModel:
             record["status_code"] = 200
             return response, fault
 
-    def _handle(self, credential: str, body: Any, record: dict) -> tuple[dict, dict | None]:
+    def _create(self, credential: str, body: Any, record: dict) -> tuple[dict, dict | None]:
         if not credential:
-            raise APIError(401, "You didn't provide an API key.", "invalid_request_error")
+            raise errors.missing_api_key()
         if not isinstance(body, dict):
-            raise APIError(400, "We could not parse the JSON body of your request.")
+            raise errors.unparsable_json()
         model = body.get("model")
         if not isinstance(model, str):
-            raise APIError(400, "Missing required parameter: 'model'.", param="model", code="missing_required_parameter")
-        raw_input = body.get("input", [])
-        if isinstance(raw_input, str):
-            items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": raw_input}]}]
-        elif isinstance(raw_input, list) and all(isinstance(i, dict) for i in raw_input):
-            items = raw_input
-        else:
-            raise APIError(400, "Invalid type for 'input'.", param="input", code="invalid_type")
+            raise errors.missing_model()
+        items = _input_of(body)
         previous = body.get("previous_response_id")
         store = body.get("store", True)
+        background = body.get("background") is True
         f = self.faults
         record.update(input_items=len(items), previous_response_id=previous, stream=bool(body.get("stream")),
-                      store=store, instructions=body.get("instructions"), model=model)
+                      store=store, instructions=body.get("instructions"), model=model, background=background)
 
         if f.refuse_store and body.get("store") is True:
             raise APIError(400, "Store must be false for this organization due to Zero Data Retention.", param="store")
-        chain: list = []
+        parent = None
         if previous is not None:
             if f.stateless == "reject":
                 raise APIError(400, "This server does not support 'previous_response_id'.")
             if f.stateless != "ignore":
-                chain = self._resolve(credential, previous)
+                parent = self._parent(credential, previous)
+        items, references = self._resolve_references(credential, items, store is not False)
         fault = f.take(continued=previous is not None and f.stateless != "ignore")
-        record["fault"] = fault.get("kind") if fault else None
-        if fault and fault.get("kind") == "reject":
+        kind = fault.get("kind") if fault else None
+        record["fault"] = kind
+        if kind == "reject":
             raise APIError(fault.get("status", 400), fault.get("message", "Invalid `previous_response_id`."),
                            code=fault.get("code", "invalid_request_error"))
-        if fault and fault.get("kind") == "status":
-            raise APIError(fault.get("status", 500), "The server had an error while processing your request.", "server_error")
+        if kind == "status":
+            raise errors.server_error(fault.get("status", 500))
+        if kind == "stream_error":
+            if not body.get("stream"):
+                raise errors.server_error()
+            record["error"] = dict(errors.STREAM_ERROR)
 
+        chain = parent.chain if parent else []
         context = chain + items
-        record["continued"] = bool(chain)
-        record["context"] = context
-        record["context_digest"] = context_digest(context)
-        output = self._generate(body, context)
-        status = "completed"
-        if fault and fault.get("kind") in ("failed", "incomplete"):
-            status = fault["kind"]
-        response = self._response_object(body, model, output, status, previous, store)
-        keep = store is not False and f.stateless is None and not f.refuse_store and status == "completed"
-        if keep:
-            self._stored[(credential, response["id"])] = Stored(response, context + output, True)
-        record["response_id"] = response["id"]
-        record["stored"] = keep
-        record["output"] = output
+        record.update(continued=bool(chain), references=references, context=context,
+                      context_digest=context_digest(context))
+        listed = (parent.input_items + parent.response["output"] if parent else []) + [listed_item(i) for i in items]
+        response_id, created_at = new_id("resp"), int(time.time())
+        record["response_id"] = response_id
+        if background:
+            response = response_object(body, response_id=response_id, created_at=created_at, status="queued",
+                                       output=[], previous=previous, usage=None, store=self._store_echo(store))
+            job = BackgroundJob(body, context, fault, record, time.monotonic(), f.background_delay_ms / 1000)
+            stored = StoredResponse(response, chain=[], input_items=listed, continuable=False, job=job)
+            self._store.put(credential, stored)
+            self._jobs[(credential, response_id)] = stored
+            record.update(stored=False, output=[])
+            return response, fault
+        response = self._answer(body, response_id, created_at, context, fault)
+        keep = self._stores(store) and response["status"] == "completed"
+        if self._stores(store):
+            self._store.put(credential, StoredResponse(response, context + response["output"], listed, keep))
+        record.update(stored=keep, output=response["output"])
         return response, fault
 
-    def _resolve(self, credential: str, previous: Any) -> list:
-        stored = self._stored.get((credential, previous)) if isinstance(previous, str) else None
-        if stored is not None and self.faults.forget_probability and self._rng.random() < self.faults.forget_probability:
-            del self._stored[(credential, previous)]
+    def _stores(self, store: Any) -> bool:
+        """Whether this upstream keeps what a request with ``store`` asks it to."""
+        return store is not False and self.faults.stateless is None and not self.faults.refuse_store
+
+    def _store_echo(self, store: Any) -> bool | None:
+        return self._stores(store) if self.faults.echo_store else None
+
+    def _parent(self, credential: str, previous: Any) -> StoredResponse:
+        stored = self._store.get(credential, previous)
+        if stored is not None and not stored.continuable:
+            stored = None
+        forget = self.faults.forget_probability
+        if stored is not None and forget and self._rng.random() < forget:
+            self._store.pop(credential, previous)
             stored = None
         if stored is None:
-            raise APIError(400, f"Previous response with id '{previous}' not found.",
-                           param="previous_response_id", code="previous_response_not_found")
-        return list(stored.context)
+            raise errors.previous_response_not_found(previous)
+        return stored
 
-    def _generate(self, body: dict, context: list) -> list:
+    def _resolve_references(self, credential: str, items: list, store: bool) -> tuple[list, int]:
+        """Each item reference replaced by the stored item it names (an output
+        or input item of this credential's stored responses): what the model sees."""
+        resolved, references = [], 0
+        for item in items:
+            if not is_item_reference(item):
+                resolved.append(item)
+                continue
+            found = self._store.find_item(credential, item["id"])
+            if found is None:
+                raise errors.item_not_found(item["id"], request_store=store)
+            resolved.append(found)
+            references += 1
+        return resolved, references
+
+    def _answer(self, body: dict, response_id: str, created_at: int, context: list, fault: dict | None) -> dict:
+        """The finished response to ``body`` over ``context``, shaped by a fault."""
+        encoded = canonical(context)
+        output = self._generate(body, context, hashlib.sha256(encoded).hexdigest()[:16])
+        kind = (fault or {}).get("kind")
+        status = {"failed": "failed", "incomplete": "incomplete", "stream_error": "failed"}.get(kind, "completed")
+        if status == "failed":
+            output = []
+        elif status == "incomplete" and output and "status" in output[-1]:
+            output[-1]["status"] = "incomplete"  # cut short, as the last item is when the budget runs out
+        usage = _usage(len(encoded), output)
+        response = response_object(body, response_id=response_id, created_at=created_at, status=status,
+                                   output=output, previous=body.get("previous_response_id"), usage=usage,
+                                   store=self._store_echo(body.get("store", True)))
+        if not self.faults.echo_previous:
+            del response["previous_response_id"]
+        return response
+
+    def _generate(self, body: dict, context: list, digest: str) -> list:
         """The deterministic model. It calls a tool when the newest user
         message says ``call:NAME({json})`` and NAME is an offered function;
-        otherwise it answers with a digest of exactly the context it saw."""
+        otherwise it answers with ``digest``, the context's: a digest of
+        exactly the context it saw."""
         last = context[-1] if context else {}
         output: list = []
-        if isinstance(body.get("reasoning"), dict):
-            reasoning = {"type": "reasoning", "id": _new_id("rs"), "summary": []}
+        reasoning_request = body.get("reasoning")
+        if isinstance(reasoning_request, dict):
+            reasoning: dict[str, Any] = {"type": "reasoning", "id": new_id("rs"), "summary": []}
+            if reasoning_request.get("summary"):
+                reasoning["summary"] = [{"type": "summary_text", "text": f"Read {len(context)} items."}]
             if "reasoning.encrypted_content" in (body.get("include") or []):
-                reasoning["encrypted_content"] = "enc_" + context_digest(context)
+                reasoning["encrypted_content"] = "enc_" + digest
             output.append(reasoning)
         tools = {t.get("name") for t in body.get("tools") or [] if isinstance(t, dict) and t.get("type") == "function"}
         match = CALL_PATTERN.search(_text_of(last)) if last.get("role") == "user" else None
@@ -222,83 +276,123 @@ class ResponsesModel:
             except ValueError:
                 args = {}
             output.append({
-                "type": "function_call", "id": _new_id("fc"), "call_id": _new_id("call"),
+                "type": "function_call", "id": new_id("fc"), "call_id": new_id("call"),
                 "name": match.group(1), "arguments": json.dumps(args), "status": "completed",
             })
             return output
-        text = f"I saw {len(context)} items; context digest {context_digest(context)}."
+        text = f"I saw {len(context)} items; context digest {digest}."
         if body.get("instructions"):
             text += f" Instructions digest {hashlib.sha256(str(body['instructions']).encode()).hexdigest()[:8]}."
         output.append({
-            "type": "message", "id": _new_id("msg"), "status": "completed", "role": "assistant",
+            "type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
         })
         return output
 
-    def _response_object(self, body: dict, model: str, output: list, status: str,
-                         previous: Any, store: Any) -> dict:
-        tokens_in = sum(len(canonical(i)) for i in output) // 4
-        response = {
-            "id": _new_id("resp"), "object": "response", "created_at": int(time.time()),
-            "status": status, "background": False, "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-            "model": model, "output": output if status != "failed" else [],
-            "parallel_tool_calls": True, "previous_response_id": previous,
-            "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
-            "temperature": 1.0, "text": {"format": {"type": "text"}}, "tool_choice": "auto",
-            "tools": body.get("tools") or [], "top_p": 1.0, "truncation": "disabled",
-            "usage": {"input_tokens": tokens_in, "input_tokens_details": {"cached_tokens": 0},
-                      "output_tokens": 8, "output_tokens_details": {"reasoning_tokens": 0},
-                      "total_tokens": tokens_in + 8},
-            "user": None, "metadata": body.get("metadata") or {},
-        }
-        if status == "failed":
-            response["error"] = {"code": "server_error", "message": "The model failed to answer."}
-        if self.faults.echo_store:
-            response["store"] = store is not False and self.faults.stateless is None and not self.faults.refuse_store
-        return response
+    # -- background responses ------------------------------------------------
+
+    def _advance_background(self) -> None:
+        """Move every background response to the state its age gives it."""
+        now = time.monotonic()
+        for key, stored in list(self._jobs.items()):
+            credential, response_id = key
+            job = stored.job
+            if job is None or self._store.get(credential, response_id) is not stored:
+                del self._jobs[key]  # cancelled, deleted or forgotten meanwhile
+                continue
+            status = job.status_at(now)
+            if status == "finished":
+                del self._jobs[key]
+                self._finish(stored, job)
+            elif status != stored.response["status"]:
+                stored.response = {**stored.response, "status": status}
+
+    def _finish(self, stored: StoredResponse, job: BackgroundJob) -> None:
+        response = self._answer(job.body, stored.response["id"], stored.response["created_at"], job.context, job.fault)
+        stored.response = response
+        stored.chain = job.context + response["output"]
+        stored.continuable = self._stores(job.body.get("store", True)) and response["status"] == "completed"
+        stored.job = None
+        job.record.update(stored=stored.continuable, output=response["output"])
+
+    # -- the other endpoints -------------------------------------------------
+
+    def _find(self, credential: str, response_id: str) -> StoredResponse:
+        if not credential:
+            raise errors.missing_api_key()
+        self._advance_background()
+        stored = self._store.get(credential, response_id)
+        if stored is None:
+            raise errors.response_not_found(response_id)
+        return stored
+
+    def retrieve(self, credential: str, response_id: str) -> dict:
+        """``GET /responses/{id}``: the response as it stands now."""
+        with self._lock:
+            return self._find(credential, response_id).response
+
+    def delete(self, credential: str, response_id: str) -> dict:
+        with self._lock:
+            self._find(credential, response_id)
+            self._store.pop(credential, response_id)
+            return {"id": response_id, "object": "response", "deleted": True}
+
+    def cancel(self, credential: str, response_id: str) -> dict:
+        """Only a background response can be cancelled; cancelling a finished
+        one returns it unchanged (the API documents cancel as idempotent)."""
+        with self._lock:
+            stored = self._find(credential, response_id)
+            if not stored.response["background"]:
+                raise errors.not_cancellable()
+            if stored.job is not None:
+                stored.job.record.update(stored=False, output=[])
+                stored.job = None
+                stored.response = {**stored.response, "status": "cancelled"}
+            return stored.response
+
+    def list_input_items(self, credential: str, response_id: str, query: dict[str, str]) -> dict:
+        """``GET /responses/{id}/input_items``: every item the response was
+        generated from (a continuation's too), a page at a time."""
+        with self._lock:
+            stored = self._find(credential, response_id)
+            limit_text = query.get("limit", "20")
+            if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+                raise errors.invalid_limit(limit_text)
+            limit = int(limit_text)
+            order = query.get("order", "desc")
+            if order not in LIST_ORDERS:
+                raise errors.invalid_order(order)
+            items = stored.input_items if order == "asc" else stored.input_items[::-1]
+            ids = [item["id"] for item in items]
+            start, end = 0, len(items)
+            for cursor in ("after", "before"):
+                if cursor in query and query[cursor] not in ids:
+                    raise errors.item_not_found(query[cursor], param=cursor)
+            if "after" in query:
+                start = ids.index(query["after"]) + 1
+            if "before" in query:
+                end = ids.index(query["before"])
+            window = items[start:end]
+            page = window[-limit:] if "before" in query and "after" not in query else window[:limit]
+            return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                    "last_id": page[-1]["id"] if page else None, "has_more": len(window) > len(page)}
 
 
-def sse_events(response: dict, terminal_event: str | None = None) -> list[dict]:
-    """The event sequence the API streams for one response. ``terminal_event``
-    overrides the last event's name, as servers do that end every stream with
-    ``response.completed`` whatever the status (vLLM)."""
-    shell = {**response, "status": "in_progress", "output": [], "usage": None}
-    events: list[dict] = [
-        {"type": "response.created", "response": shell},
-        {"type": "response.in_progress", "response": shell},
-    ]
-    for index, item in enumerate(response["output"]):
-        added = {**item, "status": "in_progress"}
-        if item["type"] == "message":
-            added["content"] = []
-        if item["type"] == "function_call":
-            added["arguments"] = ""
-        if item["type"] == "reasoning" and "encrypted_content" in item:
-            added["encrypted_content"] = item["encrypted_content"][:4]  # incomplete in .added
-        events.append({"type": "response.output_item.added", "output_index": index, "item": added})
-        if item["type"] == "message":
-            part = item["content"][0]
-            events.append({"type": "response.content_part.added", "item_id": item["id"], "output_index": index,
-                           "content_index": 0, "part": {**part, "text": ""}})
-            words = re.findall(r"\S+\s*", part["text"])
-            for w in words:
-                events.append({"type": "response.output_text.delta", "item_id": item["id"], "output_index": index,
-                               "content_index": 0, "delta": w, "logprobs": []})
-            events.append({"type": "response.output_text.done", "item_id": item["id"], "output_index": index,
-                           "content_index": 0, "text": part["text"], "logprobs": []})
-            events.append({"type": "response.content_part.done", "item_id": item["id"], "output_index": index,
-                           "content_index": 0, "part": part})
-        elif item["type"] == "function_call":
-            events.append({"type": "response.function_call_arguments.delta", "item_id": item["id"],
-                           "output_index": index, "delta": item["arguments"]})
-            events.append({"type": "response.function_call_arguments.done", "item_id": item["id"],
-                           "output_index": index, "arguments": item["arguments"]})
-        events.append({"type": "response.output_item.done", "output_index": index, "item": item})
-    terminal = terminal_event or {"completed": "response.completed", "failed": "response.failed",
-                                  "incomplete": "response.incomplete"}[response["status"]]
-    events.append({"type": terminal, "response": response})
-    for n, event in enumerate(events):
-        event["sequence_number"] = n
-    return events
+def _input_of(body: dict) -> list:
+    """The request's input as items; a string is one user message."""
+    raw_input = body.get("input", [])
+    if isinstance(raw_input, str):
+        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": raw_input}]}]
+    if isinstance(raw_input, list) and all(isinstance(i, dict) for i in raw_input):
+        return raw_input
+    raise errors.invalid_input_type()
+
+
+def _usage(context_bytes: int, output: list) -> dict:
+    """Token counts that grow with what was read and written (about 4 bytes a token)."""
+    input_tokens = context_bytes // 4
+    reasoning_tokens = 8 if any(item.get("type") == "reasoning" for item in output) else 0
+    output_tokens = len(canonical(output)) // 4 + reasoning_tokens
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": input_tokens + output_tokens}

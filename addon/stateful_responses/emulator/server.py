@@ -1,9 +1,15 @@
-"""HTTP face of the emulator: ``POST /v1/responses`` (JSON or SSE), plus a
-control plane under ``/_emulator/`` for tests and the demo.
+"""HTTP face of the emulator: the Responses API's endpoints, under ``/v1`` or
+not, plus a control plane under ``/_emulator/`` for tests and the demo.
 
-Control plane:
+  ``POST   /v1/responses``                     create (JSON or SSE; background too)
+  ``GET    /v1/responses/{id}``                retrieve
+  ``DELETE /v1/responses/{id}``                delete
+  ``GET    /v1/responses/{id}/input_items``    list the items it was generated from
+  ``POST   /v1/responses/{id}/cancel``         cancel a background response
+
+Control plane (docs/emulator.md lists every command):
   ``GET  /_emulator/log``      what it received: bytes, items, continued, context
-  ``POST /_emulator/control``  faults and forgetting (see ``model.Faults``)
+  ``POST /_emulator/control``  faults, pacing and forgetting (see ``model.Faults``)
 """
 
 from __future__ import annotations
@@ -11,15 +17,34 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import re
 import socket
 import ssl
 import threading
 import time
 import zlib
+from collections.abc import Iterable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, NamedTuple
+from urllib.parse import parse_qsl, urlsplit
 
-from .model import APIError, ResponsesModel, sse_events
+from . import errors
+from .errors import APIError
+from .model import ResponsesModel
+from .sse import TERMINAL_EVENT, background_events, encode_event, error_events, sse_events
+
+ROUTE = re.compile(r"^(?:/v1)?/responses(?:/(?P<id>[^/]+)(?:/(?P<action>input_items|cancel))?)?/?$")
+BACKGROUND_POLL_S = 0.01  # how often a streamed background response looks for progress
+PACED_READ_INTERVAL_S = 0.02  # a paced body is read in chunks of this many seconds' worth
+
+
+class Route(NamedTuple):
+    """An API path: its endpoint ("responses", "response", "input_items" or
+    "cancel"), the response id in it, and the query."""
+
+    endpoint: str
+    response_id: str
+    query: dict[str, str]
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -29,76 +54,170 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # quiet
         pass
 
-    def _read_body(self) -> bytes:
-        length = int(self.headers.get("content-length") or 0)
-        body = self.rfile.read(length) if length else b""
+    @property
+    def model(self) -> ResponsesModel:
+        return self.server.model
+
+    def _credential(self) -> str:
+        return self.headers.get("authorization") or self.headers.get("api-key") or ""
+
+    def _route(self, method: str, *endpoints: str) -> Route:
+        """This request's path, if it names one of ``endpoints``."""
+        url = urlsplit(self.path)
+        match = ROUTE.match(url.path)
+        endpoint = match and ("responses" if match["id"] is None else match["action"] or "response")
+        if endpoint not in endpoints:
+            raise errors.invalid_url(method, self.path)
+        return Route(endpoint, match["id"] or "", dict(parse_qsl(url.query)))
+
+    def _read_body(self, rate: int = 0) -> bytes:
+        """The request body, read ``rate`` bytes a second when given (a slow
+        uplink), gunzipped when the client compressed it."""
+        if "chunked" in self.headers.get("transfer-encoding", "").lower():
+            body = self._read_chunked()
+        else:
+            length = int(self.headers.get("content-length") or 0)
+            body = self._read_paced(length, rate) if rate else self.rfile.read(length) if length else b""
         self.raw_sha256 = hashlib.sha256(body).hexdigest()
         if self.headers.get("content-encoding", "").lower() == "gzip":
             body = gzip.decompress(body)
         return body
 
-    def _send_json(self, status: int, payload: Any, extra: dict | None = None) -> None:
+    def _read_chunked(self) -> bytes:
+        """A chunked request body, as every real HTTP/1.1 server accepts."""
+        body = bytearray()
+        while True:
+            size = int(self.rfile.readline().split(b";")[0].strip(), 16)
+            if size == 0:
+                while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                    pass  # trailers
+                return bytes(body)
+            body += self.rfile.read(size)
+            self.rfile.readline()
+
+    def _read_paced(self, length: int, rate: int) -> bytes:
+        step = max(1, int(rate * PACED_READ_INTERVAL_S))
+        body = bytearray()
+        start = time.monotonic()
+        while len(body) < length:
+            chunk = self.rfile.read(min(step, length - len(body)))
+            if not chunk:
+                break
+            body += chunk
+            ahead = len(body) / rate - (time.monotonic() - start)
+            if ahead > 0:
+                time.sleep(ahead)
+        return bytes(body)
+
+    def _send_json(self, status: int, payload: Any) -> None:
         data = json.dumps(payload).encode()
         headers = {"content-type": "application/json"}
-        if self.server.model.faults.gzip and status < 400:
+        if self.model.faults.gzip and status < 400:
             data = gzip.compress(data)
             headers["content-encoding"] = "gzip"
         self.send_response(status)
-        for k, v in {**headers, **(extra or {})}.items():
+        for k, v in headers.items():
             self.send_header(k, v)
         self.send_header("content-length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
 
+    def _send_error(self, error: APIError) -> None:
+        self._send_json(error.status, error.body)
+
     def do_GET(self) -> None:
+        self._read_body()
         if self.path == "/_emulator/log":
-            self._send_json(200, self.server.model.snapshot_log())
-        else:
-            self._send_json(404, {"error": {"message": "not found", "type": "invalid_request_error"}})
+            self._send_json(200, self.model.snapshot_log())
+            return
+        try:
+            route = self._route("GET", "response", "input_items")
+            if route.endpoint == "input_items":
+                self._send_json(200, self.model.list_input_items(self._credential(), route.response_id, route.query))
+            else:
+                self._send_json(200, self.model.retrieve(self._credential(), route.response_id))
+        except APIError as e:
+            self._send_error(e)
+
+    def do_DELETE(self) -> None:
+        self._read_body()
+        try:
+            route = self._route("DELETE", "response")
+            self._send_json(200, self.model.delete(self._credential(), route.response_id))
+        except APIError as e:
+            self._send_error(e)
 
     def do_POST(self) -> None:
-        body = self._read_body()
         if self.path == "/_emulator/control":
-            self._send_json(200, self.server.model.control(json.loads(body or b"{}")))
+            self._send_json(200, self.model.control(json.loads(self._read_body() or b"{}")))
             return
-        if self.path.split("?")[0].rstrip("/") not in ("/v1/responses", "/responses"):
-            self._send_json(404, {"error": {"message": f"Invalid URL (POST {self.path})", "type": "invalid_request_error"}})
-            return
-        credential = self.headers.get("authorization") or self.headers.get("api-key") or ""
+        body = self._read_body(self.model.faults.read_rate_bytes_per_s)
+        try:
+            route = self._route("POST", "responses", "cancel")
+            if route.endpoint == "cancel":
+                self._send_json(200, self.model.cancel(self._credential(), route.response_id))
+            else:
+                self._create(body)
+        except APIError as e:
+            self._send_error(e)
+
+    def _create(self, body: bytes) -> None:
         try:
             parsed = json.loads(body)
         except ValueError:
             parsed = None
-        try:
-            response, fault = self.server.model.handle(credential, parsed, len(body), self.raw_sha256)
-        except APIError as e:
-            self._send_json(e.status, e.body)
-            return
-        kind = (fault or {}).get("kind")
+        credential = self._credential()
+        response, fault = self.model.create(credential, parsed, len(body), self.raw_sha256)
+        fault = fault or {}
+        kind = fault.get("kind")
         if kind == "reset":
             self._reset_connection()
-            return
-        if kind == "html":
+        elif kind == "html":
             data = b"<html><body>502 Bad Gateway</body></html>"
             self.send_response(200)
             self.send_header("content-type", "text/html")
             self.send_header("content-length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
-            return
-        if parsed.get("stream"):
-            self._stream(response, cut_after=(fault or {}).get("after_events") if kind == "cut" else None,
-                         terminal_event=(fault or {}).get("terminal_event"))
-        else:
+        elif not parsed.get("stream"):
             self._send_json(200, response)
+        else:
+            stream_options = parsed.get("stream_options")
+            obfuscation = not (isinstance(stream_options, dict) and stream_options.get("include_obfuscation") is False)
+            if kind == "stream_error":
+                events: Iterable[dict] = error_events(response, errors.STREAM_ERROR)
+            elif response["background"]:
+                events = self._follow_background(credential, response, obfuscation)
+            else:
+                events = sse_events(response, fault.get("terminal_event"), obfuscation=obfuscation)
+            self._stream(response["id"], events, cut_after=fault.get("after_events") if kind == "cut" else None)
+
+    def _follow_background(self, credential: str, queued: dict, obfuscation: bool) -> Iterator[dict]:
+        """A streamed background response's events: created and queued at once,
+        then each later one once its state is reached. The stream ends when it
+        finishes, or without a terminal event when it is cancelled or deleted."""
+        current, sent = queued, 0
+        while True:
+            events = background_events(current, obfuscation=obfuscation)
+            yield from events[sent:]
+            sent = len(events)
+            if current["status"] in TERMINAL_EVENT:
+                return
+            time.sleep(BACKGROUND_POLL_S)
+            try:
+                current = self.model.retrieve(credential, current["id"])
+            except APIError:
+                return
+            if current["status"] == "cancelled":
+                return
 
     def _reset_connection(self) -> None:
         self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
         self.connection.close()
         self.close_connection = True
 
-    def _stream(self, response: dict, cut_after: int | None, terminal_event: str | None = None) -> None:
-        faults = self.server.model.faults
+    def _stream(self, response_id: str, events: Iterable[dict], cut_after: int | None) -> None:
+        faults = self.model.faults
         compress = zlib.compressobj(wbits=16 + zlib.MAX_WBITS) if faults.gzip else None
         self.send_response(200)
         self.send_header("content-type", "text/event-stream; charset=utf-8")
@@ -116,13 +235,13 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.flush()
 
         sent = bytearray()
-        for n, event in enumerate(sse_events(response, terminal_event)):
+        for n, event in enumerate(events):
             if cut_after is not None and n >= cut_after:
                 self._reset_connection()
                 return
-            data = f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
+            data = encode_event(event)
             sent += data
-            self.server.model.record_stream(response["id"], bytes(sent))
+            self.model.record_stream(response_id, bytes(sent))
             chunk(data)
             if faults.slow_ms:
                 time.sleep(faults.slow_ms / 1000)
@@ -155,7 +274,9 @@ class Emulator:
             context.load_cert_chain(certfile, keyfile)
             self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
             self.scheme = "https"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="responses-emulator", daemon=True)
+        # a short poll interval: stop() returns within 50 ms instead of 0.5 s
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="responses-emulator", daemon=True)
 
     @property
     def port(self) -> int:

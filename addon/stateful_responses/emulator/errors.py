@@ -1,0 +1,87 @@
+"""The API's refusals: status and ``{"error": {message, type, param, code}}``
+bodies, worded as OpenAI's API words them where that is known (see
+docs/emulator.md for where each wording comes from)."""
+
+from __future__ import annotations
+
+NOT_PERSISTED_HINT = (" Items are not persisted when `store` is set to false. Try again with `store` set to true,"
+                      " or remove this item from your input.")
+# What an ``error`` event carries when a stream fails after it started.
+STREAM_ERROR = {"type": "server_error", "code": "server_error",
+                "message": "The server had an error while processing your request. Sorry about that!", "param": None}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def missing_api_key() -> APIError:
+    return APIError(401, "You didn't provide an API key. You need to provide your API key in an Authorization header"
+                         " using Bearer auth (i.e. Authorization: Bearer YOUR_KEY), or as the password field (with"
+                         " blank username) if you're accessing the API from your browser and are prompted for a"
+                         " username. You can obtain an API key from https://platform.openai.com/account/api-keys.")
+
+
+def unparsable_json() -> APIError:
+    return APIError(400, "We could not parse the JSON body of your request. (HINT: This likely means you aren't using"
+                         " your HTTP library correctly. The OpenAI API expects a JSON payload, but what was sent was"
+                         " not valid JSON.)")
+
+
+def missing_model() -> APIError:
+    return APIError(400, "Missing required parameter: 'model'.", param="model", code="missing_required_parameter")
+
+
+def invalid_input_type() -> APIError:
+    return APIError(400, "Invalid type for 'input': expected one of a string or array of input items.",
+                    param="input", code="invalid_type")
+
+
+def previous_response_not_found(response_id: object) -> APIError:
+    return APIError(400, f"Previous response with id '{response_id}' not found.",
+                    param="previous_response_id", code="previous_response_not_found")
+
+
+def response_not_found(response_id: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found.")
+
+
+def item_not_found(item_id: object, param: str = "input", request_store: bool = True) -> APIError:
+    """An item reference (or a list cursor) naming no stored item; the API adds
+    a hint when the request itself was sent with ``store: false``."""
+    hint = "" if request_store else NOT_PERSISTED_HINT
+    return APIError(404, f"Item with id '{item_id}' not found.{hint}", param=param)
+
+
+def not_cancellable() -> APIError:
+    return APIError(400, "Cannot cancel a synchronous response.")
+
+
+def invalid_limit(value: str) -> APIError:
+    try:
+        number = int(value)
+    except ValueError:
+        return APIError(400, f"Invalid 'limit': expected an integer, but got '{value}' instead.",
+                        param="limit", code="invalid_type")
+    if number < 1:
+        return APIError(400, f"Invalid 'limit': integer below minimum value. Expected a value >= 1, but got"
+                             f" {number} instead.", param="limit", code="integer_below_min_value")
+    return APIError(400, f"Invalid 'limit': integer above maximum value. Expected a value <= 100, but got"
+                         f" {number} instead.", param="limit", code="integer_above_max_value")
+
+
+def invalid_order(value: str) -> APIError:
+    return APIError(400, f"Invalid value: '{value}'. Supported values are: 'asc' and 'desc'.",
+                    param="order", code="invalid_value")
+
+
+def invalid_url(method: str, path: str) -> APIError:
+    return APIError(404, f"Invalid URL ({method} {path})")
+
+
+def server_error(status: int = 500) -> APIError:
+    return APIError(status, "The server had an error while processing your request. Sorry about that!", "server_error")

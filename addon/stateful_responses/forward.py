@@ -1,0 +1,367 @@
+"""Forward mode's mitmproxy glue: moves bytes between flows and the pure planner.
+
+Everything that decides lives in ``planner``; this class only reads a flow into
+a ``Request``, writes a planned body back, taps the answer on its way to the
+client, and hands the answer to the planner (and what it learned to the state
+store). Every hook is wrapped so that an error inside the addon lets the
+client's request through untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from mitmproxy import command, ctx, http
+from mitmproxy.utils import human
+
+from .glue import HELD, RETRY_OF, Replays, hold, internal_error, request_of
+from .planner import (
+    TRANSIENT_STATUSES,
+    Outcome,
+    Plan,
+    Planner,
+    plan_summary,
+    upstream_of,
+)
+from .sse import AnswerReader
+from .state import REFS
+from .statestore import StateStore
+from .view import CLIENT_BODY, META, register, unregister
+
+logger = logging.getLogger(__name__)
+
+MAX_PENDING = 10_000
+# Request bodies the addon may rewrite are kept whole up to this size even when
+# mitmproxy's stream_large_bodies would stream them past every addon.
+MAX_BUFFERED_REQUEST = 64 * 1024 * 1024
+# flow.marked shows in mitmweb's flow list: continued, sent full, passed.
+MARKS = {"continue": ":recycle:", "full": ":arrow_right:", "pass": ":white_circle:"}
+
+
+@dataclass
+class _Pending:
+    """What the addon keeps about a flow between its request and its answer."""
+
+    plan: Plan
+    original: http.Request | None  # the client's request, when we changed it
+    reader: AnswerReader | None = None
+    outcome: Outcome | None = None  # once the answer has been learned from
+    written: asyncio.Future | None = None  # what it taught, on its way to the store
+
+
+def _metadata(plan: Plan, outcome: Outcome | None = None) -> dict:
+    data = {
+        "action": plan.action,
+        "reason": plan.reason,
+        "items_total": plan.items_total,
+        "items_sent": plan.items_sent,
+        "previous_response_id": plan.previous_response_id,
+        "forced_store": plan.forced_store,
+    }
+    if outcome is not None:
+        data["outcome"] = outcome.kind
+        data["outcome_detail"] = outcome.detail
+        data["response_id"] = outcome.response_id
+    return data
+
+
+def _reader_for(response: http.Response) -> AnswerReader:
+    length = response.headers.get("content-length", "")
+    return AnswerReader(
+        response.headers.get("content-type", ""),
+        response.headers.get("content-encoding", ""),
+        int(length) if length.isdigit() else None,
+    )
+
+
+class ForwardMode:
+    """Forward mode: full-history requests continued with previous_response_id
+    when, and only when, the upstream provably stored the prefix."""
+
+    def __init__(self, planner: Planner, state: StateStore, replays: Replays) -> None:
+        self.planner = planner
+        self.state = state
+        self.replays = replays
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._view = None
+
+    # -- hooks ---------------------------------------------------------------
+
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        try:
+            req = flow.request
+            if self._may_rewrite(req) and self._would_stream(req):
+                await self.state.ready()  # planned without waiting once the body is in
+                self._collect_request(flow)
+        except Exception:
+            self._internal_error("reading request headers")
+
+    def _may_rewrite(self, req: http.Request) -> bool:
+        s = self.planner.settings
+        return s.enabled and req.method.upper() == "POST" and upstream_of(req.url) is not None and s.url_matches(req.url)
+
+    @staticmethod
+    def _would_stream(req: http.Request) -> bool:
+        """mitmproxy's ``stream_large_bodies`` would stream this body past every
+        addon: a length above it, or no length (it switches mid-body, whatever
+        an addon says)."""
+        limit = human.parse_size(ctx.options.stream_large_bodies)
+        if limit is None:
+            return False
+        length = req.headers.get("content-length", "")
+        if not length.isdigit():
+            return True
+        return limit < int(length) <= MAX_BUFFERED_REQUEST
+
+    def _collect_request(self, flow: http.HTTPFlow) -> None:
+        """Stream the request ourselves: hold its chunks, plan once the body is
+        whole, and send what the plan says as one chunk. The length is unknown
+        until then, so the body goes out chunked (HTTP/2 needs no length)."""
+        req = flow.request
+        client_headers = req.headers.copy()
+        req.headers.pop("content-length", None)
+        if req.http_version.startswith("HTTP/1"):
+            req.headers["transfer-encoding"] = "chunked"
+        body: bytearray | None = bytearray()
+
+        def collect(chunk: bytes) -> list[bytes]:
+            nonlocal body
+            if body is None:
+                return [chunk]  # too large to hold: passes untouched
+            if chunk:
+                body.extend(chunk)
+                if len(body) <= MAX_BUFFERED_REQUEST:
+                    return []
+                held, body = bytes(body), None
+                return [held]
+            original = req.copy()
+            original.headers = client_headers
+            original.raw_content = bytes(body)
+            sent = original.raw_content
+            try:
+                sent = self._plan(flow, original) or sent
+            except Exception:
+                self._internal_error("planning a request")
+            req.raw_content = sent  # what went upstream, for mitmweb and -w
+            return [sent]
+
+        req.stream = collect
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        if META in flow.metadata or flow.request.raw_content is None:
+            return  # planned while streamed, or streamed past the addon
+        await self.state.ready()
+        try:
+            client = flow.request.copy()
+            body = self._plan(flow, client)
+            pending = self._pending.get(flow.id)
+            if pending is not None and (refs := self.planner.unresolved_references(pending.plan)):
+                found = await self.state.get(REFS, refs)
+                if found:  # item references another process learned: plan again with them
+                    self.planner.learn_references(found)
+                    self.planner.discard(pending.plan)
+                    body = self._plan(flow, client)
+                    pending = self._pending.get(flow.id)
+            if pending is not None and (keys := self.planner.lookups(pending.plan)):
+                body = self._improve(flow, pending, await self.state.entries(keys)) or body
+            if body is not None:
+                flow.request.content = body
+        except Exception:
+            self._internal_error("planning a request")
+
+    def _improve(self, flow: http.HTTPFlow, pending: _Pending, found: dict) -> bytes | None:
+        """Continue from deeper than memory could, out of the backing store
+        (another proxy learned it, or this one before a restart)."""
+        plan = pending.plan
+        before = plan.previous_response_id
+        self.planner.improve(plan, found)
+        if plan.previous_response_id == before:
+            return None
+        flow.metadata[META] = _metadata(plan)
+        flow.comment = plan_summary(plan)
+        flow.marked = MARKS.get(plan.action, "")
+        if pending.original is None:
+            pending.original = flow.request.copy()
+            flow.metadata.setdefault(CLIENT_BODY, pending.original.raw_content)
+        self._debug("rewritten %s from the store: %d items, %d new, previous %s", plan.model,
+                    plan.items_total, plan.items_sent, plan.previous_response_id)
+        return plan.body
+
+    def _plan(self, flow: http.HTTPFlow, original: http.Request) -> bytes | None:
+        """Plan the client's ``original`` request; returns the body to send
+        instead of the client's, or None to send the client's."""
+        retry_of = flow.metadata.get(RETRY_OF)
+        client_body = original.raw_content or b""
+        plan = self.planner.plan(request_of(flow, original), rewrite=retry_of is None)
+        if plan.upstream == "":
+            return None  # not a Responses API request: no trace at all
+        flow.metadata[META] = _metadata(plan)
+        if retry_of is None:
+            flow.comment = plan_summary(plan)
+            flow.marked = MARKS.get(plan.action, "")
+        if not plan.tracked:
+            self._debug("passed %s: %s", plan.model or "-", plan.reason)
+            if plan.watched:
+                self._remember(flow.id, _Pending(plan, None))
+            return None
+        if plan.body is not None:
+            flow.metadata.setdefault(CLIENT_BODY, client_body)  # store emulation may have set the client's own
+        self._remember(flow.id, _Pending(plan, original if plan.body is not None else None))
+        if plan.action == "continue":
+            self._debug(
+                "rewritten %s: %d items, %d new, previous %s",
+                plan.model,
+                plan.items_total,
+                plan.items_sent,
+                plan.previous_response_id,
+            )
+        else:
+            self._debug("full %s: %d items (%s)", plan.model, plan.items_total, plan.reason)
+        return plan.body
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.response is None:
+            return
+        pending = self._pending.get(flow.id)
+        try:
+            if pending is None:
+                return
+            status = flow.response.status_code
+            if 400 <= status < 500 and pending.plan.changed and status not in TRANSIENT_STATUSES:
+                # Buffered, whatever stream_large_bodies says: the response hook
+                # replaces this refusal before the client sees it.
+                hold(flow)
+                return
+            if flow.metadata.get(HELD):
+                return  # another addon of ours holds it back: read whole in the response hook
+            reader = pending.reader = _reader_for(flow.response)
+            downstream = flow.response.stream
+
+            def tap(chunk: bytes) -> bytes:
+                if pending.outcome is None:  # once learned from, bytes only pass
+                    reader.feed(chunk)  # never raises
+                    if reader.complete:
+                        # Learn before these last bytes reach the client: a fast
+                        # agent's next request must find this answer stored.
+                        self._settle_safely(flow, pending)
+                if callable(downstream):
+                    return downstream(chunk)
+                return chunk
+
+            flow.response.stream = tap
+        except Exception:
+            self._internal_error("tapping an answer")
+
+    async def response(self, flow: http.HTTPFlow) -> None:
+        pending = self._pending.pop(flow.id, None)
+        if pending is None or flow.response is None:
+            return
+        outcome = pending.outcome or self._settle_safely(flow, pending)
+        if outcome is not None and outcome.kind == "retry" and flow.metadata.get(RETRY_OF) is None:
+            await self._retry(flow, pending)
+        # A streamed answer's end reaches the client after this hook: by then
+        # what it taught is in the store, for every other proxy too.
+        await self.state.written(pending.written)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        pending = self._pending.pop(flow.id, None)
+        if pending is None or pending.outcome is not None:
+            return  # nothing planned, or the answer was complete before the failure
+        try:
+            outcome = self.planner.abandon(pending.plan, "no answer from the upstream")
+            self.state.flush()
+            self._debug("dropped: %s", outcome.detail)
+            flow.metadata[META] = _metadata(pending.plan, outcome)
+        except Exception:
+            self._internal_error("handling a failed flow")
+
+    def load(self, loader) -> None:
+        self._view = register()
+
+    def done(self) -> None:
+        if self._view is not None:
+            unregister(self._view)
+        logger.info("stateful-responses: %s", self._stats_line())
+
+    # -- commands ------------------------------------------------------------
+
+    @command.command("stateful.stats")
+    def stats(self) -> str:
+        """Counters of what the addon did, as one line."""
+        return self._stats_line()
+
+    # -- internals -----------------------------------------------------------
+
+    def _settle_safely(self, flow: http.HTTPFlow, pending: _Pending) -> Outcome | None:
+        try:
+            pending.outcome = self._settle(flow, pending)
+            pending.written = self.state.flush()
+        except Exception:
+            pending.outcome = Outcome("dropped", "internal error")
+            self._internal_error("reading an answer")
+            return None
+        return pending.outcome
+
+    def _settle(self, flow: http.HTTPFlow, pending: _Pending) -> Outcome:
+        assert flow.response is not None
+        reader = pending.reader
+        if reader is None:  # buffered answer
+            reader = _reader_for(flow.response)
+            reader.feed(flow.response.raw_content or b"")
+        response = reader.finish()
+        outcome = self.planner.settle(pending.plan, flow.response.status_code, response)
+        flow.metadata[META] = _metadata(pending.plan, outcome)
+        if outcome.kind == "advanced":
+            self._debug("advanced: %s %s", outcome.response_id, outcome.detail)
+        elif outcome.kind == "unsupported":
+            logger.info(
+                "stateful-responses: %s does not store responses (%s); "
+                "sending full history to it from now on",
+                pending.plan.scope_label,
+                outcome.detail,
+            )
+        elif outcome.kind != "retry":
+            self._debug("%s: %s", outcome.kind, outcome.detail)
+        return outcome
+
+    async def _retry(self, flow: http.HTTPFlow, pending: _Pending) -> None:
+        """Send the client's original request once more and give its answer to
+        the client instead of the rejection our change caused."""
+        assert pending.original is not None and flow.response is not None
+        rejected = flow.response.status_code
+        self.planner.counters.retries += 1
+        self._debug("retrying with the original body after %d", rejected)
+        answer, failure = await self.replays.send(flow, pending.original, f"original body after {rejected}")
+        flow.response = answer
+        flow.marked = ":warning:"
+        flow.metadata[META]["retried_after"] = rejected
+        summary = plan_summary(pending.plan)
+        if failure is None:
+            self.planner.retried(pending.plan, answer.status_code)
+            self.state.flush()
+            self.planner.counters.fallbacks += 1
+            flow.comment = f"{summary}; upstream answered {rejected}, retried with the original body"
+        else:
+            # Without the addon the client's request met this failure: it gets
+            # what mitmproxy answers a failed connection with (SDKs retry a
+            # 502), never the 400 our change caused (they would not).
+            flow.comment = f"{summary}; upstream answered {rejected}; the retry with the original body failed " \
+                           f"({failure}): answered 502"
+
+    def _remember(self, flow_id: str, pending: _Pending) -> None:
+        self._pending[flow_id] = pending
+        while len(self._pending) > MAX_PENDING:
+            self._pending.popitem(last=False)
+
+    def _internal_error(self, doing: str) -> None:
+        internal_error(self.planner.counters, doing)
+
+    def _debug(self, msg: str, *args) -> None:
+        if self.planner.settings.debug:
+            logger.info("stateful-responses: " + msg, *args)
+
+    def _stats_line(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.planner.stats().items())

@@ -1,0 +1,139 @@
+"""What every lifter shares: the lifted shapes, the audit, and small helpers.
+
+A lifter turns one protocol's request into the conversation as the model sees
+it, and its answer into what a client echoes back next turn, both in one
+*comparison normal form* per protocol. The normal form exists only to compare
+and hash; nothing normalized is ever sent anywhere. It absorbs differences
+that do not change what the model sees (each module says which and why) and
+nothing else.
+
+Privacy: the lifted messages hold prompt content and stay in memory. Audit
+entries, hints and ``ToolResult`` carry field names, ids, sizes and digests
+only, so they may reach logs and the record file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from blake3 import blake3
+
+from ..items import canonical_json
+
+Protocol = Literal["openai-responses", "openai-chat", "anthropic-messages", "gemini-chat"]
+Disposition = Literal["preserved", "lossy", "dropped", "unsupported"]
+# Statuses follow the Responses API's, the one protocol that has them.
+Status = Literal["completed", "incomplete", "failed", "in_progress", "queued", "cancelled", "unknown"]
+
+DIGEST_SIZE = 16
+
+
+@dataclass(frozen=True)
+class AuditEntry:
+    """One line of ``protocolMapping``: what happened to one field in a lift.
+
+    ``targetProtocol`` is None: a lift maps a protocol onto the unified chat
+    semantics, not onto another protocol."""
+
+    field: str
+    disposition: Disposition
+    reason: str
+    sourceProtocol: str
+    targetProtocol: str | None
+    source: str  # "request" or "answer"
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """A tool result a request submits, without its content."""
+
+    call_id: str
+    name: str | None
+    output_bytes: int  # size of the result's normal form as canonical JSON
+    digest: str  # blake3 of that, hex
+
+
+@dataclass
+class LiftedRequest:
+    protocol: Protocol
+    model: str | None
+    stream: bool
+    messages: list[Any]  # the conversation, oldest first, in the comparison normal form
+    system: Any | None  # instructions / system / systemInstruction, kept apart
+    previous_response_id: str | None  # openai-responses only
+    submitted_tool_results: list[ToolResult]
+    audit: list[AuditEntry]
+    hints: dict[str, Any]
+
+
+@dataclass
+class LiftedAnswer:
+    protocol: Protocol
+    response_id: str | None
+    status: Status
+    finish_reason: str | None  # the protocol's own stop/finish reason, as sent
+    messages: list[Any]  # what a client echoes back, same normal form as LiftedRequest.messages
+    pending_tool_calls: list[str]
+    audit: list[AuditEntry]
+    hints: dict[str, Any] = field(default_factory=dict)
+
+
+class Audit:
+    """Collects audit entries for one lift; the first note of a field wins."""
+
+    def __init__(self, protocol: Protocol, source: str) -> None:
+        self.protocol = protocol
+        self.source = source
+        self._entries: dict[tuple[str, str], AuditEntry] = {}
+
+    def note(self, field_name: str, disposition: Disposition, reason: str) -> None:
+        key = (field_name, disposition)
+        if key not in self._entries:
+            self._entries[key] = AuditEntry(field_name, disposition, reason, self.protocol, None, self.source)
+
+    @property
+    def entries(self) -> list[AuditEntry]:
+        return list(self._entries.values())
+
+
+def parse_json(data: bytes | bytearray | str) -> Any:
+    """The JSON value of ``data``; ValueError (never anything else) if it is not JSON."""
+    try:
+        return json.loads(data)
+    except (ValueError, TypeError, RecursionError) as e:
+        raise ValueError("not JSON") from e
+
+
+def digest_hex(value: Any) -> str:
+    return blake3(canonical_json(value)).hexdigest(DIGEST_SIZE)
+
+
+def tool_result(call_id: str, name: str | None, normalized_output: Any) -> ToolResult:
+    encoded = canonical_json(normalized_output)
+    return ToolResult(call_id, name, len(encoded), blake3(encoded).hexdigest(DIGEST_SIZE))
+
+
+def without_nulls(value: dict) -> dict:
+    """A shallow copy without null-valued keys: every protocol here treats a
+    null field as an absent one, and SDK dumps add nulls for unset fields."""
+    return {k: v for k, v in value.items() if v is not None}
+
+
+def comparable_arguments(arguments: Any) -> Any:
+    """Tool-call arguments sent as a JSON string compare as parsed JSON:
+    clients re-serialize them (whitespace, key order) without changing a value.
+    An invalid JSON string stays a string, so it never equals a parsed one."""
+    if isinstance(arguments, str):
+        try:
+            return {"$json": json.loads(arguments)}
+        except (ValueError, RecursionError):
+            return arguments
+    return arguments
+
+
+def as_list(value: Any) -> list:
+    """``value`` if it is a list, else no entries: a field of the wrong type
+    in a body is read as absent, never as a reason to fail."""
+    return value if isinstance(value, list) else []

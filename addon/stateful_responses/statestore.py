@@ -1,0 +1,251 @@
+"""The mitmproxy side of the backing store: connect, share the secret and the
+marks, write the planner's outbox, read what memory lacks, and carry on from
+memory through any outage.
+
+Nothing here blocks the event loop: the backends are async (SQLite runs in its
+own thread), writes go through one writer task in order, and a read on a
+request's path waits at most ``READ_TIMEOUT``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+
+from mitmproxy import command, ctx
+
+from .planner import Planner
+from .recorder import Recorder
+from .state import ENTRIES, MARKS, REFS, StoredEntry, Write, entries_found
+from .storage import Storage, StorageError, open_storage
+from .turns import ITEMS, TURNS, conflict
+
+logger = logging.getLogger(__name__)
+
+READ_TIMEOUT = 0.25  # a read on a request's path: past this, plan from memory
+FLUSH_WAIT = 0.25  # an answer's end waits this long at most for its writes
+RETRY_AFTER = 2.0  # between attempts to reach a store that failed
+MARKS_EVERY = 5.0  # how often marks set by other processes are read
+READY_WAIT = 2.0  # at start, requests wait this long at most for the store
+
+
+class StateStore:
+    def __init__(self, planner: Planner, recorder: Recorder) -> None:
+        self.planner = planner
+        self.recorder = recorder
+        self.storage: Storage | None = None
+        self.up = False  # connected, secret loaded: reads and writes go to the store
+        self._queue: asyncio.Queue[tuple[list[Write], asyncio.Future]] | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._warned = False  # one warning per outage
+        self._attempted: asyncio.Event | None = None  # the first connection attempt is over
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def running(self) -> None:
+        self._restart()
+
+    def configure(self, updated: set[str]) -> None:
+        if updated & {"stateful_store", "confdir", "stateful_store_max_mb"} and self._tasks:
+            self._restart()
+
+    def done(self) -> None:
+        self._stop()
+
+    def _restart(self) -> None:
+        self._stop()
+        loop = asyncio.get_running_loop()
+        self._attempted = asyncio.Event()
+        self._queue = asyncio.Queue()
+        self._tasks = [loop.create_task(self._keep_connected()), loop.create_task(self._write_loop())]
+
+    def _stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._tasks = []
+        storage, self.storage, self.up = self.storage, None, False
+        if storage is not None:
+            asyncio.get_running_loop().create_task(self._close_quietly(storage))
+
+    @staticmethod
+    async def _close_quietly(storage: Storage) -> None:
+        try:
+            await storage.close()
+        except StorageError:
+            pass
+
+    async def _keep_connected(self) -> None:
+        """Connect, share the secret and marks; while up, read other
+        processes' marks now and then; after a failure, try again."""
+        s = self.planner.settings
+        confdir = os.path.expanduser(ctx.options.confdir)
+        while True:
+            try:
+                if not self.up:
+                    if self.storage is None:
+                        self.storage = open_storage(s.store, confdir, _limits(s.store),
+                                                    max_bytes=s.store_max_mb * 1024 * 1024)
+                    await self.storage.open()
+                    self.planner.use_secret(await self.storage.secret())
+                    self.planner.marks.load(await self.storage.scan(MARKS))
+                    self.up = True
+                    self._recovered()
+                else:
+                    self.planner.marks.load(await self.storage.scan(MARKS))
+            except StorageError as e:
+                self._failed(e)
+            if self._attempted is not None:
+                self._attempted.set()
+            await asyncio.sleep(MARKS_EVERY if self.up else RETRY_AFTER)
+
+    def _failed(self, error: StorageError) -> None:
+        self.up = False
+        if not self._warned:
+            self._warned = True
+            name = self.storage.name if self.storage is not None else self.planner.settings.store
+            logger.warning("stateful-responses: state store %s unavailable (%s); working from memory "
+                           "until it is back", name, error)
+
+    def _recovered(self) -> None:
+        assert self.storage is not None
+        if not self._warned:
+            logger.info("stateful-responses: state in %s", self.storage.name)
+
+    def _worked(self) -> None:
+        """A read or write went through: an outage is over only then (a full
+        disk still connects, and fails at the next write)."""
+        if self._warned and self.storage is not None:
+            logger.warning("stateful-responses: state store %s is back", self.storage.name)
+            self._warned = False
+
+    # -- the request path ------------------------------------------------------
+
+    async def ready(self) -> None:
+        """Until the first attempt to reach the store is over (at start only):
+        what is learned before the store's secret arrives would be lost."""
+        if self._attempted is not None and not self._attempted.is_set():
+            await asyncio.wait({asyncio.ensure_future(self._attempted.wait())}, timeout=READY_WAIT)
+
+    async def get(self, table: str, keys: Sequence[bytes]) -> dict[bytes, bytes]:
+        """Records among ``keys``; nothing when the store is down or slow."""
+        if not keys or not self.up or self.storage is None:
+            return {}
+        try:
+            records = await asyncio.wait_for(self.storage.get(table, keys), READ_TIMEOUT)
+        except (StorageError, asyncio.TimeoutError) as e:
+            self._failed(e if isinstance(e, StorageError) else StorageError("read timed out"))
+            return {}
+        self._worked()
+        return records
+
+    async def get_strict(self, table: str, keys: Sequence[bytes]) -> dict[bytes, bytes]:
+        """Records among ``keys``; StorageError when the store cannot say
+        (down or slow), so that "not found" is never a guess."""
+        if not keys:
+            return {}
+        if not self.up or self.storage is None:
+            raise StorageError("the state store is unavailable")
+        try:
+            records = await asyncio.wait_for(self.storage.get(table, keys), READ_TIMEOUT)
+        except (StorageError, asyncio.TimeoutError) as e:
+            error = e if isinstance(e, StorageError) else StorageError("read timed out")
+            self._failed(error)
+            raise error from None
+        self._worked()
+        return records
+
+    async def entries(self, keys: Sequence[bytes]) -> dict[bytes, StoredEntry]:
+        return entries_found(await self.get(ENTRIES, keys))
+
+    def flush(self) -> asyncio.Future | None:
+        """Queue the planner's outbox for the store; the future is done once
+        written (or dropped: the store is down). None when nothing to write."""
+        writes = self.planner.take_writes() + self.recorder.take_writes()
+        if not writes or self._queue is None:
+            return None
+        done = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((writes, done))
+        return done
+
+    @staticmethod
+    async def written(done: asyncio.Future | None) -> None:
+        """Wait, briefly, until writes are visible to the other processes."""
+        if done is not None:
+            await asyncio.wait({done}, timeout=FLUSH_WAIT)
+
+    async def _write_loop(self) -> None:
+        assert self._queue is not None
+        while True:
+            writes, done = await self._queue.get()
+            try:
+                if self.up and self.storage is not None:
+                    await _apply(self.storage, writes)
+                    self._worked()
+            except StorageError as e:
+                self._failed(e)
+            finally:
+                if not done.done():
+                    done.set_result(None)
+
+    # -- commands ----------------------------------------------------------------
+
+    @command.command("stateful.clear")
+    def clear(self) -> None:
+        """Forget everything the addon learned, in memory and in the store."""
+        self.planner.clear()
+        self.recorder.clear()
+        if self.up and self.storage is not None:
+            asyncio.get_running_loop().create_task(self._clear_store(self.storage))
+        logger.info("stateful-responses: forgot everything it had learned")
+
+    async def _clear_store(self, storage: Storage) -> None:
+        try:
+            await storage.clear()
+        except StorageError as e:
+            self._failed(e)
+
+
+def _limits(spec: str) -> dict[str, int]:
+    """Records per table: memory holds a tenth of what a store on disk or on a
+    server may."""
+    scale = 1 if spec.strip() == "memory" else 10
+    return {ENTRIES: 100_000 * scale, REFS: 100_000 * scale, MARKS: 10_000, TURNS: 100_000 * scale,
+            ITEMS: 400_000 * scale}
+
+
+async def _apply(storage: Storage, writes: list[Write]) -> None:
+    """Apply writes in order, batching runs of puts to one table."""
+    run: dict[bytes, bytes] = {}
+    run_key: tuple[str, float] | None = None
+    for write in writes:
+        if write.new:
+            write = await _unless_conflicting(storage, write)
+        if write.value is not None and run_key in (None, (write.table, write.ttl)):
+            run_key = (write.table, write.ttl)
+            run[write.key] = write.value
+            continue
+        if run:
+            await storage.put(run_key[0], run, run_key[1])
+            run, run_key = {}, None
+        if write.value is None:
+            await storage.delete(write.table, [write.key])
+        else:
+            run_key, run = (write.table, write.ttl), {write.key: write.value}
+    if run:
+        await storage.put(run_key[0], run, run_key[1])
+
+
+async def _unless_conflicting(storage: Storage, write: Write) -> Write:
+    """A turn whose id is already recorded with other content (an upstream
+    reusing ids) is replaced by a tombstone: continuing from it is then "not
+    found", never someone else's context."""
+    assert write.value is not None
+    existing = (await storage.get(write.table, [write.key])).get(write.key)
+    tombstone = conflict(existing, write.value) if existing is not None else None
+    if tombstone is None:
+        return write
+    logger.warning("stateful-responses: response %s was recorded before with other content; both dropped "
+                   "(continuing from it is 'not found')", write.label)
+    return Write(write.table, write.key, tombstone, write.ttl)

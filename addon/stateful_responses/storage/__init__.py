@@ -1,0 +1,139 @@
+"""Where the addon's state lives: one small interface, interchangeable backends.
+
+The backends store bytes under keys, in named tables, each record with an
+expiry, and know nothing of what the bytes mean: the planner and the emulation
+decide what is worth keeping, the way hishel keeps its storages apart from its
+cache policy. ``memory`` keeps everything in the process, ``sqlite`` in one
+file (several proxies may share it), ``redis`` on a server shared by any
+number of proxies.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+from urllib.parse import urlsplit
+
+
+class StorageError(Exception):
+    """The backing store failed or is unreachable. Callers carry on from memory;
+    the message never holds a key, a value or a credential."""
+
+
+class Storage(Protocol):
+    """Async key-value tables with expiry and bounds. Every method may raise
+    StorageError; none blocks the event loop."""
+
+    name: str  # for logs: the kind and where, never a password
+
+    async def open(self) -> None:
+        """Connect or create. Idempotent."""
+
+    async def secret(self) -> bytes:
+        """The store's 32-byte keyed-hash secret: created once, shared by every
+        process that uses the store, never expiring, never logged."""
+
+    async def get(self, table: str, keys: Sequence[bytes]) -> dict[bytes, bytes]:
+        """The present, unexpired records among ``keys`` (one round trip)."""
+
+    async def put(self, table: str, records: Mapping[bytes, bytes], ttl: float) -> None:
+        """Write records that expire ``ttl`` seconds from now; the oldest
+        records of the table go when it is over its bound."""
+
+    async def delete(self, table: str, keys: Sequence[bytes]) -> None: ...
+
+    async def scan(self, table: str) -> dict[bytes, bytes]:
+        """Every unexpired record of a small table (marks), in one call."""
+
+    async def clear(self) -> None:
+        """Forget every record of every table (the secret stays)."""
+
+    async def ping(self) -> None:
+        """Cheap liveness check, for probing after an outage."""
+
+    async def close(self) -> None: ...
+
+
+DEFAULT_SQLITE_FILE = "stateful-responses.sqlite3"
+DEFAULT_TABLE_LIMIT = 100_000  # records, for a table ``limits`` does not name
+_TABLE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
+_STORE_KINDS = "memory, sqlite, sqlite:PATH, redis://[:password@]host:port/db or rediss://…"
+
+
+def check_table(table: str) -> str:
+    """Table names become part of Redis keys and of SQLite rows: plain names only."""
+    if not isinstance(table, str) or not _TABLE_NAME.match(table):
+        raise ValueError(f"table names are 1 to 64 letters, digits, '_', '.' or '-', got {table!r}")
+    return table
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """Where the state lives, as parsed from the option value."""
+
+    kind: Literal["memory", "sqlite", "redis"]
+    path: str | None = None  # sqlite: the file; None means DEFAULT_SQLITE_FILE in mitmproxy's confdir
+    url: str | None = field(default=None, repr=False)  # redis: as given, so it may hold a password
+
+
+def parse_store_spec(value: str) -> StoreSpec:
+    """Parse the store option; a ValueError names what is wrong and never holds a password."""
+    text = value.strip()
+    if text in ("", "sqlite"):
+        return StoreSpec("sqlite")
+    if text == "memory":
+        return StoreSpec("memory")
+    if text.startswith("sqlite:"):
+        path = text.removeprefix("sqlite:").strip()
+        if not path:
+            raise ValueError("sqlite:PATH needs a file path after 'sqlite:'")
+        return StoreSpec("sqlite", path=os.path.abspath(os.path.expanduser(path)))
+    scheme = text.partition(":")[0].lower()
+    if scheme in ("redis", "rediss"):
+        _check_redis_url(text, scheme)
+        return StoreSpec("redis", url=text)
+    if "@" in text:  # may be a URL with a password and a mistyped scheme: do not echo it
+        raise ValueError(f"not a store: expected {_STORE_KINDS}")
+    raise ValueError(f"unknown store {text!r}: expected {_STORE_KINDS}")
+
+
+def _check_redis_url(url: str, scheme: str) -> None:
+    if not url.lower().startswith(f"{scheme}://"):
+        raise ValueError(f"a Redis store is written {scheme}://[:password@]host:port/db")
+    parts = urlsplit(url)
+    if not parts.hostname:
+        raise ValueError(f"the {scheme}:// URL has no host")
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0:
+        raise ValueError(f"the {scheme}:// URL's port must be a number from 1 to 65535")
+    database = parts.path.removeprefix("/")
+    if database and not database.isdigit():
+        raise ValueError(f"the {scheme}:// URL's database must be a number, got {database!r}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"the {scheme}:// URL takes no query or fragment")
+
+
+def open_storage(spec: str, confdir: str, limits: Mapping[str, int], *, max_bytes: int = 512 * 1024 * 1024) -> Storage:
+    """The backend the option value names, built but not yet connected
+    (``await storage.open()``). Raises ValueError for a bad value."""
+    parsed = parse_store_spec(spec)
+    # Imported here: the backends import this module, and only a Redis store needs redis-py.
+    if parsed.kind == "memory":
+        from .memory import MemoryStorage
+
+        return MemoryStorage(limits)
+    if parsed.kind == "sqlite":
+        from .sqlite import SQLiteStorage
+
+        path = parsed.path or os.path.join(os.path.expanduser(confdir), DEFAULT_SQLITE_FILE)
+        return SQLiteStorage(path, limits, max_bytes=max_bytes)
+    from .redis import RedisStorage
+
+    assert parsed.url is not None
+    return RedisStorage(parsed.url, limits)

@@ -1,0 +1,100 @@
+"""The ``memory`` backend: state lives as long as the process and nothing is
+written anywhere."""
+
+from __future__ import annotations
+
+import heapq
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from . import DEFAULT_TABLE_LIMIT, check_table
+
+
+@dataclass
+class _Table:
+    """Records by key, and a heap of (expiry, key) that finds the record to
+    expire or evict next. A rewritten or deleted record leaves its old heap
+    entry behind; such stale entries are skipped, and the heap is rebuilt when
+    they outnumber the records."""
+
+    records: dict[bytes, tuple[float, bytes]] = field(default_factory=dict)
+    by_expiry: list[tuple[float, bytes]] = field(default_factory=list)
+
+    def put(self, key: bytes, value: bytes, expires: float) -> None:
+        self.records[key] = (expires, value)
+        heapq.heappush(self.by_expiry, (expires, key))
+
+    def drop_expired(self, now: float) -> None:
+        while self.by_expiry and self.by_expiry[0][0] <= now:
+            self._pop_soonest()
+
+    def trim(self, limit: int) -> None:
+        while len(self.records) > limit:
+            self._pop_soonest()
+        if len(self.by_expiry) > 2 * len(self.records) + 1024:
+            self.by_expiry = [(expires, key) for key, (expires, _) in self.records.items()]
+            heapq.heapify(self.by_expiry)
+
+    def _pop_soonest(self) -> None:
+        expires, key = heapq.heappop(self.by_expiry)
+        record = self.records.get(key)
+        if record is not None and record[0] == expires:
+            del self.records[key]
+
+
+class MemoryStorage:
+    """Every table in a dict of this process. Bounds evict the records that
+    expire soonest: the oldest written, for a table written with one ttl."""
+
+    name = "memory"
+
+    def __init__(self, limits: Mapping[str, int] | None = None, *, default_limit: int = DEFAULT_TABLE_LIMIT):
+        self._limits = dict(limits or {})
+        self._default_limit = default_limit
+        self._tables: dict[str, _Table] = {}
+        self._secret = os.urandom(32)
+
+    async def open(self) -> None:
+        pass
+
+    async def secret(self) -> bytes:
+        return self._secret
+
+    async def get(self, table: str, keys: Sequence[bytes]) -> dict[bytes, bytes]:
+        records = self._tables.get(check_table(table), _Table()).records
+        now = time.monotonic()
+        found = {}
+        for key in keys:
+            record = records.get(key)
+            if record is not None and record[0] > now:
+                found[key] = record[1]
+        return found
+
+    async def put(self, table: str, records: Mapping[bytes, bytes], ttl: float) -> None:
+        stored = self._tables.setdefault(check_table(table), _Table())
+        now = time.monotonic()
+        for key, value in records.items():
+            stored.put(key, value, now + ttl)
+        stored.drop_expired(now)
+        stored.trim(self._limits.get(table, self._default_limit))
+
+    async def delete(self, table: str, keys: Sequence[bytes]) -> None:
+        records = self._tables.get(check_table(table), _Table()).records
+        for key in keys:
+            records.pop(key, None)
+
+    async def scan(self, table: str) -> dict[bytes, bytes]:
+        records = self._tables.get(check_table(table), _Table()).records
+        now = time.monotonic()
+        return {key: value for key, (expires, value) in records.items() if expires > now}
+
+    async def clear(self) -> None:
+        self._tables.clear()
+
+    async def ping(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        self._tables.clear()

@@ -1,0 +1,227 @@
+"""The ``redis`` backend: Redis or Valkey, shared by any number of proxies.
+
+Every key starts with one hash tag, ``{stateful-responses}:``, so the whole
+state sits in one slot of a Redis Cluster and the Lua scripts below may touch
+any of it. Layout, after that prefix:
+
+  ``r:<table>:<key>``  a record: its value, with a key TTL
+  ``i:<table>``        the table's index: a sorted set of its record keys,
+                       scored by expiry in milliseconds of the server's clock
+  ``tables``           the set of table names that have an index
+  ``secret``           the 32-byte secret, no TTL
+
+The index is what bounds a table, what ``scan`` reads and what ``clear``
+walks, so nothing ever SCANs the keyspace. It is kept atomically with the
+records by the scripts; Redis expires the records themselves.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+import redis.asyncio
+import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from . import DEFAULT_TABLE_LIMIT, StorageError, check_table
+
+T = TypeVar("T")
+
+_NOW_MS = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + tonumber(clock[2]) / 1000
+"""
+
+# KEYS: index, tables set, record keys...  ARGV: ttl ms, limit, table name, values... (one per record key)
+# Scores are printed with microseconds: records put one after another never tie.
+# Long lists go to unpack() in slices of 1000: Lua's stack is limited.
+PUT = _NOW_MS + """
+local ttl = tonumber(ARGV[1])
+local expires = string.format('%.3f', now + ttl)
+for i = 3, #KEYS do
+    redis.call('SET', KEYS[i], ARGV[i + 1], 'PX', ARGV[1])
+    redis.call('ZADD', KEYS[1], expires, KEYS[i])
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('%.3f', now))
+local over = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[2])
+if over > 0 then
+    local soonest = redis.call('ZRANGE', KEYS[1], 0, over - 1)
+    for i = 1, #soonest, 1000 do
+        redis.call('DEL', unpack(soonest, i, math.min(i + 999, #soonest)))
+    end
+    redis.call('ZREMRANGEBYRANK', KEYS[1], 0, over - 1)
+end
+if redis.call('PTTL', KEYS[1]) < ttl then
+    redis.call('PEXPIRE', KEYS[1], ARGV[1])
+end
+redis.call('SADD', KEYS[2], ARGV[3])
+"""
+
+# KEYS: index. Returns key1, value1, key2, value2, ... of the unexpired records.
+SCAN = _NOW_MS + """
+local members = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. string.format('%.3f', now), '+inf')
+local found = {}
+for i = 1, #members, 1000 do
+    local values = redis.call('MGET', unpack(members, i, math.min(i + 999, #members)))
+    for j = 1, #values do
+        if values[j] then
+            found[#found + 1] = members[i + j - 1]
+            found[#found + 1] = values[j]
+        end
+    end
+end
+return found
+"""
+
+# KEYS: tables set.  ARGV: the index key prefix.
+CLEAR = """
+for _, name in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+    local index = ARGV[1] .. name
+    local members = redis.call('ZRANGE', index, 0, -1)
+    for i = 1, #members, 1000 do
+        redis.call('DEL', unpack(members, i, math.min(i + 999, #members)))
+    end
+    redis.call('DEL', index)
+end
+redis.call('DEL', KEYS[1])
+"""
+
+
+class RedisStorage:
+    """Records on a Redis server. Bounds evict the records that expire
+    soonest (the oldest written, for a table written with one ttl). Calls
+    fail fast (``timeout``) instead of retrying. After a connection failure
+    the idle pooled connections are dropped too: one that a vanished server
+    left half-open would otherwise cost another timeout when next used."""
+
+    def __init__(
+        self,
+        url: str,
+        limits: Mapping[str, int] | None = None,
+        *,
+        connect_timeout: float = 0.5,
+        timeout: float = 0.5,
+        prefix: str = "stateful-responses",
+        default_limit: int = DEFAULT_TABLE_LIMIT,
+    ):
+        parts = urlsplit(url)
+        host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+        self.name = f"{parts.scheme}://{host}:{parts.port or 6379}/{parts.path.removeprefix('/') or 0}"
+        self._url = url
+        self._limits = dict(limits or {})
+        self._default_limit = default_limit
+        self._connect_timeout = connect_timeout
+        self._timeout = timeout
+        self._prefix = b"{" + prefix.encode() + b"}:"
+        self._secret: bytes | None = None
+        self._client: redis.asyncio.Redis | None = None
+
+    def _connection(self) -> redis.asyncio.Redis:
+        if self._client is None:
+            self._client = redis.asyncio.Redis.from_url(
+                self._url,
+                socket_connect_timeout=self._connect_timeout,
+                socket_timeout=self._timeout,
+                retry=Retry(NoBackoff(), 0),
+            )
+            self._put_script = self._client.register_script(PUT)
+            self._scan_script = self._client.register_script(SCAN)
+            self._clear_script = self._client.register_script(CLEAR)
+        return self._client
+
+    async def _call(self, operation: Callable[[redis.asyncio.Redis], Awaitable[T]]) -> T:
+        client = self._connection()
+        try:
+            return await operation(client)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)):
+                await client.connection_pool.disconnect(inuse_connections=False)
+            raise StorageError(f"{self.name}: {_describe(exc)}") from exc
+
+    def _record_prefix(self, table: str) -> bytes:
+        return self._prefix + b"r:" + check_table(table).encode() + b":"
+
+    def _index(self, table: str) -> bytes:
+        return self._prefix + b"i:" + table.encode()
+
+    async def open(self) -> None:
+        await self._call(lambda client: client.ping())
+
+    async def secret(self) -> bytes:
+        if self._secret is None:
+            key = self._prefix + b"secret"
+
+            async def set_once_then_get(client: redis.asyncio.Redis) -> bytes:
+                async with client.pipeline(transaction=True) as pipe:
+                    pipe.set(key, os.urandom(32), nx=True)
+                    pipe.get(key)
+                    return (await pipe.execute())[1]
+
+            self._secret = await self._call(set_once_then_get)
+        return self._secret
+
+    async def get(self, table: str, keys: Sequence[bytes]) -> dict[bytes, bytes]:
+        prefix = self._record_prefix(table)
+        if not keys:
+            return {}
+        values = await self._call(lambda client: client.mget([prefix + key for key in keys]))
+        return {key: value for key, value in zip(keys, values) if value is not None}
+
+    async def put(self, table: str, records: Mapping[bytes, bytes], ttl: float) -> None:
+        prefix = self._record_prefix(table)
+        if not records:
+            return
+        keys = [self._index(table), self._prefix + b"tables", *(prefix + key for key in records)]
+        limit = self._limits.get(table, self._default_limit)
+        args = [max(1, math.ceil(ttl * 1000)), limit, table, *records.values()]
+        await self._call(lambda client: self._put_script(keys=keys, args=args))
+
+    async def delete(self, table: str, keys: Sequence[bytes]) -> None:
+        prefix = self._record_prefix(table)
+        if not keys:
+            return
+        record_keys = [prefix + key for key in keys]
+
+        async def delete_records_and_index_members(client: redis.asyncio.Redis) -> None:
+            async with client.pipeline(transaction=True) as pipe:
+                pipe.delete(*record_keys)
+                pipe.zrem(self._index(table), *record_keys)
+                await pipe.execute()
+
+        await self._call(delete_records_and_index_members)
+
+    async def scan(self, table: str) -> dict[bytes, bytes]:
+        prefix = self._record_prefix(table)
+        flat = await self._call(lambda client: self._scan_script(keys=[self._index(table)]))
+        return {flat[i].removeprefix(prefix): flat[i + 1] for i in range(0, len(flat), 2)}
+
+    async def clear(self) -> None:
+        await self._call(lambda client: self._clear_script(keys=[self._prefix + b"tables"], args=[self._prefix + b"i:"]))
+
+    async def ping(self) -> None:
+        await self._call(lambda client: client.ping())
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+
+def _describe(exc: BaseException) -> str:
+    """What failed, in words safe to log: redis-py's messages can carry the
+    server's reply, so only the kind and the server's error code are kept."""
+    if isinstance(exc, redis.exceptions.AuthenticationError):
+        return "authentication failed"
+    if isinstance(exc, (redis.exceptions.TimeoutError, TimeoutError)):
+        return "timed out"
+    if isinstance(exc, (redis.exceptions.ConnectionError, OSError)):
+        return "unreachable"
+    if isinstance(exc, redis.exceptions.ResponseError):
+        code = str(exc).split(" ", 1)[0]
+        return f"refused the command ({code})" if code.isalpha() and code.isupper() else "refused the command"
+    return f"failed ({type(exc).__name__})"

@@ -1,0 +1,307 @@
+"""The ``sqlite`` backend: one file, which any number of processes on this
+machine may share.
+
+SQLite calls block, so one dedicated worker thread owns the connection and
+runs every call; the event loop only awaits it. The file is created owner-only
+before SQLite opens it (SQLite gives its -wal and -shm files the same mode)
+and runs in WAL mode, so readers in other processes never wait for a writer.
+
+Layout: ``records(tbl, key, value, expires)`` holds every table's records,
+``counts(tbl, n)`` their number per table (kept by triggers, so a bound check
+costs no count over the rows), ``meta(name, value)`` the secret. ``expires``
+is wall-clock time, shared by every process on the machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from . import DEFAULT_TABLE_LIMIT, StorageError, check_table
+
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+SCHEMA = (
+    """CREATE TABLE records (
+        tbl TEXT NOT NULL,
+        key BLOB NOT NULL,
+        value BLOB NOT NULL,
+        expires REAL NOT NULL,
+        PRIMARY KEY (tbl, key))""",
+    "CREATE INDEX records_by_expiry ON records (tbl, expires)",
+    "CREATE TABLE counts (tbl TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID",
+    """CREATE TRIGGER count_insert AFTER INSERT ON records BEGIN
+        INSERT INTO counts VALUES (NEW.tbl, 1) ON CONFLICT (tbl) DO UPDATE SET n = n + 1;
+    END""",
+    """CREATE TRIGGER count_delete AFTER DELETE ON records BEGIN
+        UPDATE counts SET n = n - 1 WHERE tbl = OLD.tbl;
+    END""",
+    "CREATE TABLE meta (name TEXT PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID",
+)
+# The unary + keeps SQLite from choosing the expiry index, which would walk
+# every record of the table, over the primary key, which finds each key.
+GET = "SELECT key, value FROM records WHERE tbl = ? AND +expires > ? AND key IN ({})"
+UPSERT = ("INSERT INTO records (tbl, key, value, expires) VALUES (?, ?, ?, ?) "
+          "ON CONFLICT (tbl, key) DO UPDATE SET value = excluded.value, expires = excluded.expires")
+DELETE_SOONEST = ("DELETE FROM records WHERE rowid IN "
+                  "(SELECT rowid FROM records WHERE tbl = ? ORDER BY expires LIMIT ?)")
+DELETE_EXPIRED = ("DELETE FROM records WHERE rowid IN "
+                  "(SELECT rowid FROM records WHERE tbl = ? AND expires <= ? LIMIT ?)")
+MAX_PARAMETERS = 500  # keys per SELECT ... IN (...), well under SQLite's limit
+SWEEP_BATCH = 10_000  # expired rows deleted per table per sweep, so one put never stalls long
+SIZE_TARGET = 0.9  # over the byte cap, delete down to this fraction of it: not again on the next put
+
+# What went wrong, by SQLite's primary result code; and which failures leave
+# the connection unusable, so the next call opens a new one.
+_FAILURES = {
+    sqlite3.SQLITE_BUSY: "locked by another connection",
+    sqlite3.SQLITE_LOCKED: "locked by another connection",
+    sqlite3.SQLITE_READONLY: "read-only (the file or its directory)",
+    sqlite3.SQLITE_PERM: "permission denied",
+    sqlite3.SQLITE_CANTOPEN: "cannot open the file",
+    sqlite3.SQLITE_FULL: "disk full",
+    sqlite3.SQLITE_IOERR: "I/O error",
+    sqlite3.SQLITE_CORRUPT: "the file is corrupt",
+    sqlite3.SQLITE_NOTADB: "the file is not a database",
+}
+_REOPEN = {sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB}
+
+
+class SQLiteStorage:
+    """Records in one SQLite file. Bounds evict the records that expire
+    soonest (the oldest written, for a table written with one ttl); past
+    ``max_bytes`` of live pages every table loses its soonest-expiring rows
+    until the file is back under 90% of it, and SQLite reuses the freed pages,
+    so the file stops growing there."""
+
+    def __init__(
+        self,
+        path: str,
+        limits: Mapping[str, int] | None = None,
+        *,
+        max_bytes: int = 512 * 1024 * 1024,
+        busy_timeout: float = 2.0,
+        sweep_interval: float = 60.0,
+        default_limit: int = DEFAULT_TABLE_LIMIT,
+    ):
+        self.path = os.path.abspath(os.path.expanduser(path))
+        self.name = f"sqlite:{self.path}"
+        self._limits = dict(limits or {})
+        self._default_limit = default_limit
+        self._max_bytes = max_bytes
+        self._busy_timeout = busy_timeout
+        self._sweep_interval = sweep_interval
+        self._next_sweep = 0.0
+        self._secret: bytes | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._db: sqlite3.Connection | None = None  # used by the worker thread only
+
+    # The event loop's side: every call is one job for the worker thread.
+
+    async def _run(self, job: Callable[..., T], *args: object) -> T:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stateful-sqlite")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._in_worker, job, *args)
+
+    async def open(self) -> None:
+        await self._run(lambda db: None)
+
+    async def secret(self) -> bytes:
+        if self._secret is None:
+            self._secret = await self._run(self._read_or_create_secret)
+        return self._secret
+
+    async def get(self, table: str, keys: Sequence[bytes]) -> dict[bytes, bytes]:
+        check_table(table)
+        return await self._run(self._get, table, list(keys)) if keys else {}
+
+    async def put(self, table: str, records: Mapping[bytes, bytes], ttl: float) -> None:
+        check_table(table)
+        if records:
+            await self._run(self._put, table, dict(records), ttl)
+
+    async def delete(self, table: str, keys: Sequence[bytes]) -> None:
+        check_table(table)
+        if keys:
+            await self._run(self._delete, table, list(keys))
+
+    async def scan(self, table: str) -> dict[bytes, bytes]:
+        check_table(table)
+        return await self._run(self._scan, table)
+
+    async def clear(self) -> None:
+        await self._run(self._clear)
+
+    async def ping(self) -> None:
+        await self._run(lambda db: db.execute("SELECT count(*) FROM meta").fetchone())
+
+    async def close(self) -> None:
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(executor, self._disconnect)
+            finally:
+                executor.shutdown(wait=True)  # the worker has nothing left to do: this joins it at once
+
+    # The worker thread's side.
+
+    def _in_worker(self, job: Callable[..., T], *args: object) -> T:
+        try:
+            if self._db is None:
+                self._db = self._connect()
+            return job(self._db, *args)
+        except sqlite3.Error as exc:
+            code = getattr(exc, "sqlite_errorcode", sqlite3.SQLITE_ERROR) & 0xFF
+            if self._db is not None:
+                self._recover(self._db, reopen=code in _REOPEN)
+            what = _FAILURES.get(code, f"failed ({getattr(exc, 'sqlite_errorname', type(exc).__name__)})")
+            raise StorageError(f"{self.name}: {what}") from exc
+        except OSError as exc:
+            raise StorageError(f"{self.name}: cannot open or create the file ({os.strerror(exc.errno or 0)})") from exc
+
+    def _recover(self, db: sqlite3.Connection, reopen: bool) -> None:
+        """Leave no transaction open after a failure (a COMMIT that met a lock
+        leaves one); a connection that met corruption or an I/O error is
+        dropped, and the next call opens the file afresh."""
+        try:
+            if not reopen and db.in_transaction:
+                db.rollback()
+        except sqlite3.Error:
+            reopen = True
+        if reopen:
+            self._disconnect()
+
+    def _connect(self) -> sqlite3.Connection:
+        """Open the file, creating it owner-only first. Opening retries while
+        another process holds a lock, up to the busy timeout: switching a new
+        file to WAL answers SQLITE_BUSY at once, without waiting, when several
+        processes open it at the same moment."""
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        deadline = time.monotonic() + self._busy_timeout
+        while True:
+            try:
+                return self._open_database()
+            except sqlite3.OperationalError as exc:
+                if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
+
+    def _open_database(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, timeout=self._busy_timeout, isolation_level=None)
+        try:
+            page_size = db.execute("PRAGMA page_size").fetchone()[0]
+            # The WAL holds at most a quarter of the byte cap (up to 8 MiB) between checkpoints.
+            wal_bytes = min(8 * 1024 * 1024, self._max_bytes // 4)
+            if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                db.execute("PRAGMA journal_mode = WAL").fetchone()
+            db.execute("PRAGMA synchronous = NORMAL")
+            db.execute(f"PRAGMA journal_size_limit = {wal_bytes}")
+            db.execute(f"PRAGMA wal_autocheckpoint = {max(16, wal_bytes // page_size)}")
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version == 0:
+                with _write(db):
+                    if db.execute("PRAGMA user_version").fetchone()[0] == 0:  # not created meanwhile
+                        for statement in SCHEMA:
+                            db.execute(statement)
+                        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            elif version != SCHEMA_VERSION:
+                raise StorageError(f"{self.name}: written by another version (schema {version})")
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _disconnect(self) -> None:
+        db, self._db = self._db, None
+        if db is not None:
+            db.close()
+
+    def _read_or_create_secret(self, db: sqlite3.Connection) -> bytes:
+        row = db.execute("SELECT value FROM meta WHERE name = 'secret'").fetchone()
+        if row is None:
+            with _write(db):
+                db.execute("INSERT OR IGNORE INTO meta VALUES ('secret', randomblob(32))")
+                row = db.execute("SELECT value FROM meta WHERE name = 'secret'").fetchone()
+        return row[0]
+
+    def _get(self, db: sqlite3.Connection, table: str, keys: list[bytes]) -> dict[bytes, bytes]:
+        now = time.time()
+        found: dict[bytes, bytes] = {}
+        for start in range(0, len(keys), MAX_PARAMETERS):
+            chunk = keys[start:start + MAX_PARAMETERS]
+            found.update(db.execute(
+                GET.format(",".join("?" * len(chunk))), (table, now, *chunk)))
+        return found
+
+    def _put(self, db: sqlite3.Connection, table: str, records: dict[bytes, bytes], ttl: float) -> None:
+        now = time.time()
+        with _write(db):
+            db.executemany(UPSERT, ((table, key, value, now + ttl) for key, value in records.items()))
+            over = self._count(db, table) - self._limits.get(table, self._default_limit)
+            if over > 0:
+                db.execute(DELETE_SOONEST, (table, over))
+            if now >= self._next_sweep:
+                self._next_sweep = now + self._sweep_interval
+                for (name,) in db.execute("SELECT tbl FROM counts WHERE n > 0").fetchall():
+                    db.execute(DELETE_EXPIRED, (name, now, SWEEP_BATCH))
+            self._keep_under_max_bytes(db)
+
+    def _keep_under_max_bytes(self, db: sqlite3.Connection) -> None:
+        """Over the cap, each table loses the same share of its rows, soonest
+        expiring first, until the live pages fit in SIZE_TARGET of the cap."""
+        used = self._used_bytes(db)
+        target = self._max_bytes * SIZE_TARGET
+        if used <= self._max_bytes:
+            return
+        while used > target and (counts := db.execute("SELECT tbl, n FROM counts WHERE n > 0").fetchall()):
+            share = 1 - target / used
+            deleted = sum(db.execute(DELETE_SOONEST, (name, max(1, math.ceil(n * share)))).rowcount
+                          for name, n in counts)
+            if not deleted:  # counts that disagree with the rows (a file edited by hand): stop
+                break
+            used = self._used_bytes(db)
+
+    @staticmethod
+    def _used_bytes(db: sqlite3.Connection) -> int:
+        pages = db.execute("PRAGMA page_count").fetchone()[0] - db.execute("PRAGMA freelist_count").fetchone()[0]
+        return pages * db.execute("PRAGMA page_size").fetchone()[0]
+
+    @staticmethod
+    def _count(db: sqlite3.Connection, table: str) -> int:
+        row = db.execute("SELECT n FROM counts WHERE tbl = ?", (table,)).fetchone()
+        return row[0] if row else 0
+
+    def _delete(self, db: sqlite3.Connection, table: str, keys: list[bytes]) -> None:
+        with _write(db):
+            db.executemany("DELETE FROM records WHERE tbl = ? AND key = ?", ((table, key) for key in keys))
+
+    def _scan(self, db: sqlite3.Connection, table: str) -> dict[bytes, bytes]:
+        return dict(db.execute("SELECT key, value FROM records WHERE tbl = ? AND expires > ?", (table, time.time())))
+
+    def _clear(self, db: sqlite3.Connection) -> None:
+        with _write(db):
+            db.execute("DELETE FROM records")
+
+
+class _write:
+    """A write transaction that takes the write lock at once (waiting up to
+    the busy timeout), so it can never fail half way on a lock upgrade."""
+
+    def __init__(self, db: sqlite3.Connection):
+        self.db = db
+
+    def __enter__(self) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is None:
+            self.db.execute("COMMIT")
+        elif self.db.in_transaction:  # SQLite may have rolled back already (disk full, I/O error)
+            self.db.execute("ROLLBACK")

@@ -1,0 +1,143 @@
+"""Recorded turns for store emulation, sealed per tenant.
+
+A turn is one completed response: its id, the id it continued, the request's
+input items exactly as the client sent them, the output items as the upstream
+returned them, and the response object. Items are stored once per tenant,
+content-addressed, so a full-history client's conversation costs its distinct
+items, not turns x history; a full-history turn names the earlier turn whose
+input its own input extends (``input_base``) and adds only the rest.
+
+Everything that is content is sealed (issue 14) with ChaCha20-Poly1305 under a
+key derived from the request's credential material and the store's secret; the
+key is never stored, so a copied store (file, dump, backup) reveals nothing
+without the tenant's credential. The record's key is bound into the
+associated data: a sealed record copied under another key, or opened with
+another credential, fails to open and reads as "not found". In clear stay only
+what bounds and conflicts need: status, time, size, a keyed fingerprint.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import msgspec
+from blake3 import blake3
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+TURNS = "turns"  # turn key -> TurnHeader (body sealed)
+ITEMS = "items"  # item key -> sealed item JSON
+
+KEY_SIZE = 16
+_NONCE = 12
+_SEAL_CONTEXT = "stateful-responses 2026-11 recorded turn seal"
+
+
+class TurnBody(msgspec.Struct, array_like=True, frozen=True):
+    response_id: str
+    previous_response_id: str | None
+    input_base: str | None  # the response whose input this turn's input extends
+    input: list[bytes]  # item keys after the base's input
+    output: list[bytes]  # item keys
+    response: bytes  # the response object without its output, as JSON
+
+
+class TurnHeader(msgspec.Struct, array_like=True, frozen=True):
+    status: str  # "completed", or "conflict": an id seen with two contents, never expanded
+    created: float
+    size: int  # bytes this turn added to the store (items included)
+    fingerprint: bytes  # keyed digest of the body: the same id recorded again with other content shows
+    stored_upstream: bool  # the upstream's answer proved it stored this response itself
+    sealed: bytes
+
+
+_BODY = msgspec.msgpack.Decoder(TurnBody)
+_HEADER = msgspec.msgpack.Decoder(TurnHeader)
+_ENCODE = msgspec.msgpack.Encoder().encode
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One credential's view of the record: its key namespace and its seal.
+    Built from the credential material on every request; nothing of it is
+    stored."""
+
+    tag: bytes  # names the tenant inside keys (a keyed hash of the credential)
+    _secret: bytes
+    _aead: ChaCha20Poly1305
+
+    @classmethod
+    def of(cls, secret: bytes, credential: bytes) -> Tenant:
+        tag = blake3(b"tenant\x00" + credential, key=secret).digest(KEY_SIZE)
+        seal_key = blake3(secret + credential, derive_key_context=_SEAL_CONTEXT).digest(32)
+        return cls(tag, secret, ChaCha20Poly1305(seal_key))
+
+    def turn_key(self, response_id: str) -> bytes:
+        return blake3(self.tag + b"turn\x00" + response_id.encode("utf-8", "surrogatepass"),
+                      key=self._secret).digest(KEY_SIZE)
+
+    def item_key(self, raw_item: bytes) -> bytes:
+        """Content address of one item's exact bytes, in this tenant only."""
+        return blake3(self.tag + b"item\x00" + raw_item, key=self._secret).digest(KEY_SIZE)
+
+    def seal(self, data: bytes, key: bytes) -> bytes:
+        nonce = os.urandom(_NONCE)
+        return nonce + self._aead.encrypt(nonce, data, key)
+
+    def open(self, sealed: bytes, key: bytes) -> bytes | None:
+        """The plaintext, or None when it was sealed for another key or tenant."""
+        try:
+            return self._aead.decrypt(sealed[:_NONCE], sealed[_NONCE:], key)
+        except (InvalidTag, ValueError):
+            return None
+
+    def seal_turn(self, body: TurnBody, *, created: float, size: int, stored_upstream: bool,
+                  fingerprint_of: object) -> tuple[bytes, bytes]:
+        """(key, record) of one turn. ``fingerprint_of`` is what makes two
+        recordings of one id the same content (whatever their compression)."""
+        key = self.turn_key(body.response_id)
+        fingerprint = blake3(self.tag + _ENCODE(fingerprint_of), key=self._secret).digest(KEY_SIZE)
+        header = TurnHeader("completed", created, size, fingerprint, stored_upstream,
+                            self.seal(_ENCODE(body), key))
+        return key, _ENCODE(header)
+
+    def open_turn(self, response_id: str, record: bytes) -> tuple[TurnHeader, TurnBody] | None:
+        """A recorded turn, or None: unreadable, sealed for someone else, or
+        under another id. Never someone else's content."""
+        key = self.turn_key(response_id)
+        try:
+            header = _HEADER.decode(record)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        plain = self.open(header.sealed, key)
+        if plain is None:
+            return None
+        try:
+            body = _BODY.decode(plain)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        if body.response_id != response_id:
+            return None
+        return header, body
+
+
+def header_of(record: bytes) -> TurnHeader | None:
+    """The clear part of a record (for conflicts), without opening it."""
+    try:
+        return _HEADER.decode(record)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def conflict(existing: bytes, new: bytes) -> bytes | None:
+    """When one id arrives with two different contents (an upstream that
+    reuses ids: a restarted server counting from 1), the tombstone to store in
+    its place: continuing from it is "not found", never a wrong context.
+    None when the two are the same turn."""
+    old, fresh = header_of(existing), header_of(new)
+    if old is None or fresh is None:
+        return None  # an unreadable old record is simply replaced
+    if old.status != "conflict" and old.fingerprint == fresh.fingerprint:
+        return None
+    return _ENCODE(TurnHeader("conflict", fresh.created, 0, fresh.fingerprint, False, b""))

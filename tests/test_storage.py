@@ -1,0 +1,559 @@
+"""The storage backends: one contract every backend keeps, then what each one
+does when its file or server misbehaves."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sqlite3
+import stat
+import subprocess
+import sys
+import threading
+
+import pytest
+import redis.asyncio
+from harness import ROOT
+from redis.crc import key_slot
+from redis_server import start_redis_server
+from stateful_responses.storage import (
+    DEFAULT_SQLITE_FILE,
+    StorageError,
+    StoreSpec,
+    open_storage,
+    parse_store_spec,
+)
+from stateful_responses.storage.memory import MemoryStorage
+from stateful_responses.storage.redis import RedisStorage
+from stateful_responses.storage.sqlite import GET, SQLiteStorage
+
+LIMITS = {"small": 3}
+BINARY = {b"": b"", b"\x00": b"\x00\xff", bytes(range(32)): bytes(range(256)), b"\xff" * 32: b"v" * 100_000}
+
+# The option value
+
+
+@pytest.mark.parametrize(("value", "spec"), [
+    ("", StoreSpec("sqlite")),
+    (" sqlite ", StoreSpec("sqlite")),
+    ("memory", StoreSpec("memory")),
+    ("sqlite:/var/lib/state.db", StoreSpec("sqlite", path="/var/lib/state.db")),
+    ("redis://127.0.0.1:6379/0", StoreSpec("redis", url="redis://127.0.0.1:6379/0")),
+    ("rediss://:pw@cache.example:6380/2", StoreSpec("redis", url="rediss://:pw@cache.example:6380/2")),
+    ("redis://cache.example", StoreSpec("redis", url="redis://cache.example")),
+])
+def test_store_values_that_parse(value, spec):
+    assert parse_store_spec(value) == spec
+
+
+def test_a_relative_or_home_sqlite_path_becomes_absolute():
+    assert parse_store_spec("sqlite:~/state.db").path == os.path.expanduser("~/state.db")
+    assert parse_store_spec("sqlite:state.db").path == os.path.abspath("state.db")
+
+
+@pytest.mark.parametrize(("value", "complaint"), [
+    ("postgres", "unknown store 'postgres'"),
+    ("sqlite:", "needs a file path"),
+    ("redis:/:hunter2@cache:6379/0", "redis://[:password@]host:port/db"),
+    ("redis://:hunter2@/0", "has no host"),
+    ("redis://:hunter2@cache:port/0", "port must be a number"),
+    ("redis://:hunter2@cache:0/0", "port must be a number"),
+    ("redis://:hunter2@cache:99999/0", "port must be a number"),
+    ("rediss://:hunter2@cache:6379/zero", "database must be a number"),
+    ("redis://:hunter2@cache:6379/0?ssl=1", "no query"),
+    (":hunter2@cache:6379", "not a store"),
+])
+def test_bad_store_values_say_what_is_wrong_without_the_password(value, complaint):
+    with pytest.raises(ValueError) as error:
+        parse_store_spec(value)
+    assert complaint in str(error.value)
+    assert "hunter2" not in str(error.value)
+
+
+def test_open_storage_builds_the_named_backend(tmp_path):
+    # Names, not classes: test_addon reloads the package, and open_storage imports the backend anew.
+    assert open_storage("memory", str(tmp_path), LIMITS).name == "memory"
+    assert open_storage("", str(tmp_path), LIMITS).name == f"sqlite:{tmp_path / DEFAULT_SQLITE_FILE}"
+    assert open_storage(f"sqlite:{tmp_path}/other.db", "~", LIMITS).name == f"sqlite:{tmp_path}/other.db"
+    assert open_storage("rediss://:hunter2@cache.example:6380/2", "~", LIMITS).name == "rediss://cache.example:6380/2"
+    assert open_storage("redis://[::1]", "~", LIMITS).name == "redis://[::1]:6379/0"
+
+
+# The contract every backend keeps
+
+BACKENDS = ["memory", "sqlite", "redis"]
+
+
+@pytest.fixture(params=BACKENDS)
+async def make_storage(request, tmp_path):
+    """Builds stores of one kind, all on the same file or server; closes them all."""
+    made = []
+
+    def make(limits=LIMITS, **options):
+        if request.param == "memory":
+            storage = MemoryStorage(limits, **options)
+        elif request.param == "sqlite":
+            storage = SQLiteStorage(str(tmp_path / "store.sqlite3"), limits, **options)
+        else:
+            storage = RedisStorage(request.getfixturevalue("redis_server").url, limits, **options)
+        made.append(storage)
+        return storage
+
+    yield make
+    for storage in made:
+        await storage.close()
+
+
+@pytest.fixture
+async def storage(make_storage):
+    storage = make_storage()
+    await storage.open()
+    return storage
+
+
+async def test_binary_keys_and_values_come_back_as_written(storage):
+    await storage.put("entries", BINARY, ttl=60)
+    assert await storage.get("entries", [*BINARY, b"absent"]) == BINARY
+    assert await storage.get("entries", []) == {}
+    assert await storage.get("never_written", [b"\x00"]) == {}
+
+
+async def test_put_overwrites_and_tables_are_apart(storage):
+    await storage.put("entries", {b"k": b"old"}, ttl=60)
+    await storage.put("entries", {b"k": b"new"}, ttl=60)
+    await storage.put("marks", {b"k": b"mark"}, ttl=60)
+    assert await storage.get("entries", [b"k"]) == {b"k": b"new"}
+    assert await storage.scan("marks") == {b"k": b"mark"}
+
+
+async def test_delete_removes_only_the_named_keys(storage):
+    await storage.put("entries", {b"a": b"1", b"b": b"2"}, ttl=60)
+    await storage.delete("entries", [b"a", b"never written"])
+    await storage.delete("entries", [])
+    assert await storage.scan("entries") == {b"b": b"2"}
+
+
+async def test_records_expire_ttl_seconds_after_their_put(storage):
+    await storage.put("entries", {b"short": b"1"}, ttl=0.5)
+    await storage.put("entries", {b"long": b"2"}, ttl=60)
+    assert await storage.get("entries", [b"short", b"long"]) == {b"short": b"1", b"long": b"2"}
+    await asyncio.sleep(0.7)
+    assert await storage.get("entries", [b"short", b"long"]) == {b"long": b"2"}
+    assert await storage.scan("entries") == {b"long": b"2"}
+
+
+async def test_a_table_over_its_limit_keeps_its_newest_records(storage):
+    for n in range(5):
+        await storage.put("small", {bytes([n]): b"v"}, ttl=60)
+    assert await storage.scan("small") == {b"\x02": b"v", b"\x03": b"v", b"\x04": b"v"}
+    await storage.put("small", {bytes([n]): b"w" for n in range(10, 20)}, ttl=60)
+    survivors = await storage.scan("small")
+    assert len(survivors) == 3 and set(survivors) <= {bytes([n]) for n in range(10, 20)}
+
+
+async def test_thousands_of_records_in_one_call(storage):
+    many = {n.to_bytes(2, "big"): b"v" for n in range(2500)}
+    await storage.put("entries", many, ttl=60)
+    await storage.put("small", many, ttl=60)
+    assert await storage.get("entries", list(many)) == many
+    assert await storage.scan("entries") == many
+    assert len(await storage.scan("small")) == 3
+    await storage.delete("entries", list(many)[:2000])
+    assert len(await storage.scan("entries")) == 500
+    await storage.clear()
+    assert await storage.scan("entries") == {} and await storage.scan("small") == {}
+
+
+async def test_a_table_without_a_limit_gets_the_default_one(make_storage):
+    storage = make_storage(default_limit=4)
+    await storage.put("unnamed", {bytes([n]): b"v" for n in range(10)}, ttl=60)
+    assert len(await storage.scan("unnamed")) == 4
+
+
+async def test_the_secret_is_created_once_and_survives_clear(storage):
+    secret = await storage.secret()
+    assert len(secret) == 32 and secret != bytes(32)
+    await storage.put("entries", {b"k": b"v"}, ttl=60)
+    await storage.clear()
+    assert await storage.secret() == secret
+
+
+async def test_clear_forgets_every_table_and_the_store_stays_usable(storage):
+    await storage.put("entries", {b"a": b"1"}, ttl=60)
+    await storage.put("marks", {b"b": b"2"}, ttl=60)
+    await storage.clear()
+    assert await storage.scan("entries") == {} and await storage.scan("marks") == {}
+    await storage.open()  # idempotent
+    await storage.ping()
+    await storage.put("entries", {b"c": b"3"}, ttl=60)
+    assert await storage.get("entries", [b"a", b"c"]) == {b"c": b"3"}
+
+
+@pytest.mark.parametrize("table", ["", "a:b", "t" * 65, "tab le"])
+async def test_table_names_are_plain(storage, table):
+    with pytest.raises(ValueError, match="table names"):
+        await storage.get(table, [b"k"])
+
+
+# Other processes
+
+
+# Run in another process: say "ready", wait for a line on stdin (so that
+# several children act at once), open the store, do one thing, print the result.
+CHILD = f"""
+import asyncio, sys
+sys.path.insert(0, {str(ROOT / "addon")!r})
+from stateful_responses.storage import open_storage
+
+async def main(spec, command, *args):
+    storage = open_storage(spec, ".", {{}})
+    try:
+        print("ready", flush=True)
+        sys.stdin.readline()
+        await storage.open()
+        if command == "secret":
+            print((await storage.secret()).hex())
+        elif command == "put":
+            await storage.put("entries", {{bytes.fromhex(args[0]): bytes.fromhex(args[1])}}, ttl=60)
+            print("stored")
+        elif command == "get":
+            print((await storage.get("entries", [bytes.fromhex(args[0])])).get(bytes.fromhex(args[0]), b"").hex())
+    finally:
+        await storage.close()
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+def in_other_processes(spec: str, command: str, *args: str, count: int = 1) -> list[str]:
+    """Run CHILD in ``count`` processes that act at the same moment; their outputs."""
+    children = [subprocess.Popen([sys.executable, "-c", CHILD, spec, command, *args], text=True,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                for _ in range(count)]
+    try:
+        for child in children:
+            assert child.stdout.readline() == "ready\n", child.communicate()[1]
+        for child in children:
+            child.stdin.write("go\n")
+            child.stdin.flush()
+        results = [child.communicate(timeout=30) for child in children]
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+    assert all(child.returncode == 0 for child in children), [err for _, err in results]
+    return [out.strip() for out, _ in results]
+
+
+# SQLite
+
+
+@pytest.fixture
+async def sqlite_path(tmp_path):
+    return tmp_path / "store.sqlite3"
+
+
+def query(path, sql: str, *parameters) -> list[tuple]:
+    """Look at the file the way another program would."""
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as db:
+        return db.execute(sql, parameters).fetchall()
+
+
+@pytest.fixture
+async def make_sqlite(sqlite_path):
+    """Builds SQLite stores on one file; closes them all."""
+    made = []
+
+    def make(**options):
+        made.append(SQLiteStorage(str(sqlite_path), LIMITS, **options))
+        return made[-1]
+
+    yield make
+    for storage in made:
+        await storage.close()
+
+
+def test_sqlite_is_named_by_its_absolute_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert SQLiteStorage("state.db").name == f"sqlite:{tmp_path}/state.db"
+
+
+async def test_the_file_and_its_wal_and_shm_are_owner_only_whatever_the_umask(make_sqlite, sqlite_path):
+    previous = os.umask(0)
+    try:
+        storage = make_sqlite()
+        await storage.put("entries", {b"k": b"v"}, ttl=60)
+    finally:
+        os.umask(previous)
+    files = [sqlite_path, sqlite_path.with_name(sqlite_path.name + "-wal"), sqlite_path.with_name(sqlite_path.name + "-shm")]
+    assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in files} == {f.name: 0o600 for f in files}
+    assert query(sqlite_path, "PRAGMA journal_mode") == [("wal",)]
+
+
+async def test_two_processes_read_what_the_other_wrote(make_sqlite, sqlite_path):
+    storage = make_sqlite()
+    await storage.put("entries", {b"\x01": b"from parent"}, ttl=60)
+    assert in_other_processes(f"sqlite:{sqlite_path}", "get", "01") == [b"from parent".hex()]
+    assert in_other_processes(f"sqlite:{sqlite_path}", "put", "02", b"from child".hex()) == ["stored"]
+    assert await storage.get("entries", [b"\x02"]) == {b"\x02": b"from child"}
+
+
+async def test_processes_creating_one_file_at_once_get_one_secret(make_sqlite, sqlite_path):
+    secrets = in_other_processes(f"sqlite:{sqlite_path}", "secret", count=3)
+    assert len(set(secrets)) == 1
+    assert (await make_sqlite().secret()).hex() == secrets[0]
+
+
+async def test_a_file_locked_by_another_process_fails_within_the_busy_timeout(make_sqlite, sqlite_path):
+    storage = make_sqlite(busy_timeout=0.3)
+    await storage.put("entries", {b"k": b"v"}, ttl=60)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sqlite3, sys; db = sqlite3.connect(sys.argv[1], isolation_level=None); "
+         "db.execute('BEGIN EXCLUSIVE'); print('locked', flush=True); sys.stdin.readline()", str(sqlite_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        with pytest.raises(StorageError, match="locked by another connection"):
+            await asyncio.wait_for(storage.put("entries", {b"k": b"w"}, ttl=60), timeout=10)
+        ticker.cancel()
+        assert ticks >= 5  # the event loop ran while the worker waited for the lock
+        assert await storage.get("entries", [b"k"]) == {b"k": b"v"}  # WAL: readers do not wait
+    finally:
+        holder.communicate("release\n", timeout=10)
+    await storage.put("entries", {b"k": b"w"}, ttl=60)
+    assert await storage.get("entries", [b"k"]) == {b"k": b"w"}
+
+
+async def test_a_corrupt_file_fails_to_open_and_a_replaced_one_opens(make_sqlite, sqlite_path):
+    sqlite_path.write_bytes(os.urandom(64 * 1024))
+    storage = make_sqlite()
+    with pytest.raises(StorageError, match="not a database"):
+        await storage.open()
+    sqlite_path.unlink()
+    await storage.put("entries", {b"k": b"v"}, ttl=60)
+    assert await storage.get("entries", [b"k"]) == {b"k": b"v"}
+
+
+async def test_a_path_under_a_regular_file_cannot_be_created(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    storage = SQLiteStorage(str(tmp_path / "a_file" / "store.sqlite3"))
+    with pytest.raises(StorageError, match=r"cannot open or create the file \(Not a directory\)"):
+        await storage.open()
+    await storage.close()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes read-only files")
+async def test_a_read_only_file_fails_cleanly(make_sqlite, sqlite_path):
+    await make_sqlite().put("entries", {b"k": b"v"}, ttl=60)
+    sqlite_path.chmod(0o400)
+    with pytest.raises(StorageError, match=r"cannot open or create the file \(Permission denied\)"):
+        await make_sqlite().put("entries", {b"k": b"w"}, ttl=60)
+
+
+async def test_another_schema_version_is_refused(make_sqlite, sqlite_path):
+    query(sqlite_path, "PRAGMA user_version = 99")
+    with pytest.raises(StorageError, match=r"written by another version \(schema 99\)"):
+        await make_sqlite().open()
+
+
+# A full disk, for real: the child's file size limit (RLIMIT_FSIZE) makes the
+# kernel refuse SQLite's write() mid-transaction, as a full disk does, and
+# SQLite must roll back. (PRAGMA max_page_count would only exercise SQLite's
+# own page counting, never a failed write, and would need a test-only argument.)
+# The kernel says EFBIG where a full disk says ENOSPC, so SQLite reports an I/O
+# error rather than SQLITE_FULL ("disk full"); the recovery is the same.
+DISK_FULL_CHILD = f"""
+import asyncio, json, os, resource, sys
+sys.path.insert(0, {str(ROOT / "addon")!r})
+from stateful_responses.storage import StorageError
+from stateful_responses.storage.sqlite import GET, SQLiteStorage
+
+async def main(path):
+    storage = SQLiteStorage(path)
+    await storage.put("entries", {{b"small": b"v"}}, ttl=60)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, hard))
+    try:
+        await storage.put("entries", {{b"big": os.urandom(1024 * 1024)}}, ttl=60)
+        failure = None
+    except StorageError as error:
+        failure = str(error)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    after_failure = await storage.get("entries", [b"small", b"big"])
+    await storage.put("entries", {{b"big": b"fits now"}}, ttl=60)
+    after_space = await storage.get("entries", [b"small", b"big"])
+    await storage.close()
+    print(json.dumps({{"failure": failure, "after_failure": sorted(k.decode() for k in after_failure),
+                      "after_space": {{k.decode(): v.decode() for k, v in after_space.items()}}}}))
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def test_a_full_disk_fails_the_put_and_the_store_works_once_there_is_room(sqlite_path):
+    child = subprocess.run([sys.executable, "-c", DISK_FULL_CHILD, str(sqlite_path)],
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, child.stderr
+    result = json.loads(child.stdout)
+    assert result["failure"] == f"sqlite:{sqlite_path}: I/O error"
+    assert result["after_failure"] == ["small"]  # the failed put was rolled back whole
+    assert result["after_space"] == {"small": "v", "big": "fits now"}
+
+
+async def test_the_file_stops_growing_at_its_byte_cap(make_sqlite, sqlite_path):
+    cap = 512 * 1024
+    storage = make_sqlite(max_bytes=cap)
+    wal = sqlite_path.with_name(sqlite_path.name + "-wal")
+    largest_wal = 0
+    for n in range(3000):  # 3 MB of values through a 512 KiB file
+        await storage.put("turns", {n.to_bytes(4, "big"): os.urandom(1000)}, ttl=60)
+        largest_wal = max(largest_wal, wal.stat().st_size)
+    assert await storage.get("turns", [(0).to_bytes(4, "big")]) == {}  # the oldest went first
+    assert (2999).to_bytes(4, "big") in await storage.get("turns", [(2999).to_bytes(4, "big")])
+    await storage.close()
+    assert sqlite_path.stat().st_size <= cap * 1.1
+    assert largest_wal <= cap  # journal_size_limit and checkpoints keep the WAL small too
+
+
+async def test_a_get_finds_each_key_by_the_primary_key_not_by_walking_the_table(make_sqlite, sqlite_path):
+    await make_sqlite().put("entries", {bytes([n]): b"v" for n in range(100)}, ttl=60)
+    plan = query(sqlite_path, "EXPLAIN QUERY PLAN " + GET.format("?, ?"), "entries", 0, b"a", b"b")
+    assert [step[3] for step in plan] == ["SEARCH records USING INDEX sqlite_autoindex_records_1 (tbl=? AND key=?)"]
+
+
+async def test_expired_rows_are_swept_from_the_file(make_sqlite, sqlite_path):
+    storage = make_sqlite(sweep_interval=0)
+    await storage.put("entries", {bytes([n]): b"v" for n in range(100)}, ttl=0.05)
+    await asyncio.sleep(0.1)
+    await storage.put("marks", {b"live": b"v"}, ttl=60)
+    rows = query(sqlite_path, "SELECT tbl, count(*) FROM records GROUP BY tbl")
+    assert rows == [("marks", 1)]
+
+
+async def test_close_joins_the_worker_thread(make_sqlite):
+    storage = make_sqlite()
+    await storage.put("entries", {b"k": b"v"}, ttl=60)
+    assert any(t.name.startswith("stateful-sqlite") for t in threading.enumerate())
+    await storage.close()
+    assert not any(t.name.startswith("stateful-sqlite") for t in threading.enumerate())
+
+
+# Redis
+
+
+@pytest.fixture
+async def make_redis(redis_server):
+    """Builds Redis stores on one server; closes them all."""
+    made = []
+
+    def make(url=None, **options):
+        made.append(RedisStorage(url or redis_server.url, LIMITS, **options))
+        return made[-1]
+
+    yield make
+    for storage in made:
+        await storage.close()
+
+
+@pytest.fixture
+async def raw_redis(redis_server):
+    """A plain client, to look at what the backend wrote."""
+    client = redis.asyncio.Redis.from_url(redis_server.url)
+    yield client
+    await client.aclose()
+
+
+async def test_two_processes_share_redis_and_one_secret(make_redis, redis_server):
+    storage = make_redis()
+    secrets = in_other_processes(redis_server.url, "secret", count=3)
+    assert len(set(secrets)) == 1
+    assert (await storage.secret()).hex() == secrets[0]
+    assert in_other_processes(redis_server.url, "put", "02", b"from child".hex()) == ["stored"]
+    assert await storage.get("entries", [b"\x02"]) == {b"\x02": b"from child"}
+
+
+async def test_every_key_sits_under_one_hash_tag(make_redis, raw_redis):
+    storage = make_redis()
+    await storage.secret()
+    await storage.put("entries", BINARY, ttl=60)
+    await storage.put("marks", {b"m": b"1"}, ttl=60)
+    keys = await raw_redis.keys("*")
+    assert len(keys) == len(BINARY) + 5  # records, two indexes, the tables set, the secret
+    assert all(key.startswith(b"{stateful-responses}:") for key in keys)
+    assert len({key_slot(key) for key in keys}) == 1  # one Redis Cluster slot
+
+
+async def test_the_index_drops_expired_members_and_expires_itself(make_redis, raw_redis):
+    storage = make_redis()
+    await storage.put("entries", {bytes([n]): b"v" for n in range(50)}, ttl=0.05)
+    await asyncio.sleep(0.1)
+    await storage.put("entries", {b"live": b"v"}, ttl=30)
+    index = b"{stateful-responses}:i:entries"
+    assert await raw_redis.zrange(index, 0, -1) == [b"{stateful-responses}:r:entries:live"]
+    assert 20_000 < await raw_redis.pttl(index) <= 30_000
+
+
+async def test_clear_walks_the_indexes_never_the_keyspace(make_redis, raw_redis):
+    storage = make_redis()
+    await storage.put("entries", BINARY, ttl=60)
+    await storage.put("marks", {b"m": b"1"}, ttl=60)
+    await raw_redis.set(b"someone else's key", b"kept")
+    await raw_redis.config_resetstat()
+    await storage.clear()
+    commands = await raw_redis.info("commandstats")
+    assert not {"cmdstat_scan", "cmdstat_keys"} & set(commands)
+    assert sorted(await raw_redis.keys("*")) == [b"someone else's key"]
+
+
+async def test_a_wrong_password_fails_without_saying_it(tmp_path):
+    server = start_redis_server(tmp_path / "redis", password="right-password")
+    try:
+        storage = RedisStorage(server.url.replace("right-password", "hunter2"))
+        with pytest.raises(StorageError) as error:
+            await storage.open()
+        assert str(error.value) == f"redis://127.0.0.1:{server.port}/0: authentication failed"
+        assert "hunter2" not in repr(error.value.__cause__)
+        await storage.close()
+        storage = RedisStorage(server.url)
+        await storage.put("entries", {b"k": b"v"}, ttl=60)
+        assert await storage.get("entries", [b"k"]) == {b"k": b"v"}
+        await storage.close()
+    finally:
+        server.stop()
+
+
+async def test_a_stopped_server_fails_fast_and_a_restarted_one_works_at_the_next_call(make_redis, redis_server):
+    storage = make_redis()
+    await storage.put("entries", {b"k": b"v"}, ttl=60)
+    redis_server.stop()
+    for operation in (storage.ping(), storage.get("entries", [b"k"]), storage.put("entries", {b"k": b"w"}, ttl=60)):
+        with pytest.raises(StorageError, match=rf"^redis://127.0.0.1:{redis_server.port}/0: unreachable$"):
+            await asyncio.wait_for(operation, timeout=10)
+    redis_server.start()
+    await storage.ping()
+    assert await storage.get("entries", [b"k"]) == {}  # persistence is off: the restarted server is empty
+    await storage.put("entries", {b"k": b"w"}, ttl=60)
+    assert await storage.scan("entries") == {b"k": b"w"}
+
+
+async def test_a_server_that_stops_answering_times_out_then_recovers(make_redis, redis_server):
+    storage = make_redis(timeout=0.3)
+    await storage.put("entries", {b"k": b"v"}, ttl=60)
+    redis_server.pause()
+    try:
+        with pytest.raises(StorageError, match="timed out"):
+            await asyncio.wait_for(storage.get("entries", [b"k"]), timeout=10)
+    finally:
+        redis_server.resume()
+    assert await storage.get("entries", [b"k"]) == {b"k": b"v"}
