@@ -45,7 +45,7 @@ from odd_json import ESCAPES, PLAIN, SPECIAL_TEXT, Nested, Pairs, Style, Verbati
 from stateful_responses.emulator import Emulator
 from strict_json import NotStrictJSON, first_difference
 
-EXAMPLES = int(os.environ.get("STATEFUL_EXAMPLES", "30"))
+EXAMPLES = int(os.environ.get("STATEFUL_EXAMPLES", "40"))
 # The short default run (CI) draws the same examples every time; a campaign
 # set with STATEFUL_EXAMPLES draws fresh ones.
 DERANDOMIZE = "STATEFUL_EXAMPLES" not in os.environ
