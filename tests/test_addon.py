@@ -35,7 +35,8 @@ class Glue:
 
     def __init__(self, **options) -> None:
         self.addons = make_addons()
-        self.options, self.state, self.emulation, self.forward, self.replays = self.addons
+        (self.options, self.state, self.record, self.router, self.emulation, self.forward, _, _,
+         self.replays) = self.addons
         self.planner = self.forward.planner
         self._options = {"stateful_store": "memory", **options}
 
@@ -55,6 +56,12 @@ class Glue:
         self._context.__exit__(*exc)
 
     async def request(self, flow) -> None:
+        await self.forward.request(flow)
+
+    async def request_through_all(self, flow) -> None:
+        """Every addon's request hook, in order (the record needs its own)."""
+        await self.record.request(flow)
+        await self.emulation.request(flow)
         await self.forward.request(flow)
 
     def responseheaders(self, flow) -> None:
@@ -187,6 +194,7 @@ def rendered(flow) -> tuple[str, str]:
 
 async def test_mitmweb_view_shows_the_decision_and_both_bodies():
     async with Glue() as addon:
+        addon.request = addon.request_through_all
         answer = {"id": "resp_1", "status": "completed", "store": True, "output": UPSTREAM_OUTPUT}
         f = responses_flow({"model": "m", "input": [{"role": "user", "content": "hello"}]}, answer)
         await addon.request(f)
@@ -200,6 +208,7 @@ async def test_mitmweb_view_shows_the_decision_and_both_bodies():
         assert "--- client sent" in text and "--- sent upstream" in text
         assert text.index('"again"') < text.index("--- sent upstream") < text.rindex('"again"')
         assert f2.marked == ":recycle:" and f.marked == ":arrow_right:"
+        assert "--- continuation record ---" in text and f2.metadata["continuation"]["chainId"] in text
         other = tflow.tflow()
         assert rendered(other)[0] != "Stateful Responses"
 
@@ -229,3 +238,26 @@ async def test_the_store_learns_before_the_last_bytes_reach_the_client(kind):
         f.response.stream(b"")
         await addon.response(f)
         assert f.metadata[META]["outcome"] == "advanced"
+
+
+async def test_clear_forgets_in_memory_and_in_the_store(tmp_path):
+    from stateful_responses.state import ENTRIES
+
+    async with Glue(stateful_store=f"sqlite:{tmp_path / 'state.db'}") as addon:
+        answer = {"id": "resp_1", "status": "completed", "store": True, "output": UPSTREAM_OUTPUT}
+        f = responses_flow({"model": "m", "input": "hello"}, answer)
+        await addon.request(f)
+        await addon.response(f)
+        await addon.state.written(addon.state.flush())
+        for _ in range(100):
+            if await addon.state.storage.scan(ENTRIES):
+                break
+            await asyncio.sleep(0.01)
+        assert await addon.state.storage.scan(ENTRIES)
+        addon.tctx.master.commands.call("stateful.clear")
+        for _ in range(100):
+            if not await addon.state.storage.scan(ENTRIES):
+                break
+            await asyncio.sleep(0.01)
+        assert not await addon.state.storage.scan(ENTRIES)
+        assert "branches=0" in addon.tctx.master.commands.call("stateful.stats")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from driver import Conversation, assert_context_preserved, drop_nulls, httpx, user_turns
 
@@ -73,3 +75,28 @@ def test_output_echoed_by_reference_continues_at_the_limit(emulator, start_proxy
         expected = [outputs[i["id"]] if i.get("type") == "item_reference" else i for i in sent]
         assert drop_nulls(record["context"]) == drop_nulls(expected)
     assert len(log[-1]["context"]) + len(log[-1]["output"]) == len(history)
+
+
+def test_a_background_response_is_learned_from_when_a_poll_finds_it_finished(emulator, start_proxy):
+    """Issue 13: ``background: true`` answers at once with ``queued``; the
+    finished response arrives by polling ``GET /responses/{id}``."""
+    emulator.model.control({"background_delay_ms": 100})
+    proxy = start_proxy(emulator.url, "--set", "stateful_debug=true")
+    headers = {"authorization": "Bearer sk-bg"}
+    history = [{"role": "user", "content": "a long task"}]
+    with httpx.Client(trust_env=False, timeout=30) as c:
+        queued = c.post(proxy.url + "/v1/responses", headers=headers,
+                        json={"model": "gpt-test", "input": history, "background": True}).json()
+        assert queued["status"] == "queued"
+        for _ in range(100):
+            polled = c.get(f"{proxy.url}/v1/responses/{queued['id']}", headers=headers).json()
+            if polled["status"] == "completed":
+                break
+            time.sleep(0.05)
+        assert polled["status"] == "completed"
+        history += polled["output"] + [{"role": "user", "content": "and then?"}]
+        assert c.post(proxy.url + "/v1/responses", headers=headers,
+                      json={"model": "gpt-test", "input": history}).status_code == 200
+    last = get_log(emulator)[-1]
+    assert last["continued"] and last["previous_response_id"] == queued["id"] and last["input_items"] == 1
+    assert "background" in proxy.output() and "finished" in proxy.output()

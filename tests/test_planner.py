@@ -541,3 +541,18 @@ def test_a_reference_the_store_resolves_after_a_restart():
     second.improve(plan, entries_found({w.key: w.value for w in writes if w.table == ENTRIES}))
     assert plan.action == "continue" and plan.items_sent == 1
     assert second.stats()["requests"] == 1 and second.stats()["continued"] == 1
+
+
+def test_a_background_response_waits_for_its_poll_from_the_same_tenant():
+    planner = Planner()
+    conv = [{"role": "user", "content": "x"}]
+    plan = planner.plan(request(conv, "k"))
+    queued = {"id": "resp_bg", "status": "queued", "background": True, "store": True, "output": []}
+    assert planner.settle(plan, 200, queued).kind == "pending"
+    finished = {**queued, "status": "completed", "output": assistant_output(1), "previous_response_id": None}
+    other_scope = planner.plan(request(conv, "intruder")).scope
+    assert planner.polled("resp_bg", other_scope, 200, finished) is None
+    assert planner.polled("resp_bg", plan.scope, 200, {**queued, "status": "in_progress"}) is None
+    assert planner.polled("resp_bg", plan.scope, 200, finished).kind == "advanced"
+    nxt = conv + assistant_output(1) + [{"role": "user", "content": "y"}]
+    assert planner.plan(request(nxt, "k")).previous_response_id == "resp_bg"

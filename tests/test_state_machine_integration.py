@@ -174,3 +174,107 @@ def test_random_conversations_never_lose_context(stack):
     print(f"\nstate machine: {EXAMPLES} examples, {dict(SEEN)}")
     assert SEEN["continued"] > SEEN["requests"] / 5
     assert SEEN["retried after a refusal"] > 0
+
+
+# -- store emulation: clients that keep state with previous_response_id ----------------
+
+UPSTREAM_BEHAVIOURS = {
+    "stores": {"stateless": None, "forget_probability": 0.0},
+    "stateless": {"stateless": "reject"},  # refuses the field (llama.cpp)
+    "ignoring": {"stateless": "ignore"},  # accepts it and ignores it (Ollama)
+    "forgetting": {"stateless": None, "forget_probability": 0.5},  # expiry, restarts, replicas
+}
+
+
+@pytest.fixture(scope="module", params=["auto", "always"])
+def chained_stack(request):
+    with Emulator(seed=11) as emu:
+        proxy = start_mitmdump(emu.url, "--set", f"stateful_emulate={request.param}")
+        try:
+            with httpx.Client(trust_env=False, timeout=30) as http:
+                yield emu, proxy, http, request.param
+        finally:
+            output = proxy.stop()
+            assert "internal error" not in output, output[-3000:]
+
+
+class ChainedConversations(RuleBasedStateMachine):
+    """Clients that send only new items and name the response they continue
+    (any earlier one: forks too), under upstreams that store, store nothing,
+    ignore the field or forget. Every served request must have seen exactly
+    the chain it named, and no client may see an error the upstream did not
+    cause."""
+
+    stack: tuple = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emu, self.proxy, self.http, self.mode = self.stack
+        self.run = next(_serial)
+        self.emu.model.control({"reset": True})
+        self.chains: dict[str, tuple[str, list, dict]] = {}  # response id -> (key, context it ends, last output)
+
+    @initialize(behaviour=st.sampled_from(sorted(UPSTREAM_BEHAVIOURS)))
+    def upstream(self, behaviour):
+        self.emu.model.control(UPSTREAM_BEHAVIOURS[behaviour])
+
+    @rule(key=st.integers(0, 2), stream=st.booleans())
+    def start_chain(self, key, stream):
+        self.send(f"sk-chain{self.run}-{key}", None, [{"role": "user", "content": "hello"}], stream)
+
+    @precondition(lambda self: self.chains)
+    @rule(data=st.data(), stream=st.booleans(), tool=st.booleans())
+    def continue_chain(self, data, stream, tool):
+        previous = data.draw(st.sampled_from(sorted(self.chains)))
+        key, _, output = self.chains[previous]
+        if output and output[-1]["type"] == "function_call":
+            new = [{"type": "function_call_output", "call_id": output[-1]["call_id"], "output": "42"}]
+        else:
+            new = [{"role": "user", "content": 'call:lookup({"q": 1})' if tool else f"question {len(self.chains)}"}]
+        self.send(key, previous, new, stream)
+
+    # Not to "ignoring" mid-run: an upstream that stored a response and then
+    # silently ignores the field cannot be told from one that honours it
+    # before its answer (README, known limits).
+    @rule(behaviour=st.sampled_from(sorted(set(UPSTREAM_BEHAVIOURS) - {"ignoring"})))
+    def upstream_changes(self, behaviour):
+        self.emu.model.control(UPSTREAM_BEHAVIOURS[behaviour])
+
+    @rule()
+    def upstream_forgets_everything(self):
+        self.emu.model.control({"forget_all": True})
+
+    def send(self, key: str, previous: str | None, new: list, stream: bool) -> None:
+        body = {"model": "gpt-test", "input": new, "tools": TOOLS, "stream": stream}
+        if previous is not None:
+            body["previous_response_id"] = previous
+        meant = (self.chains[previous][1] if previous else []) + new
+        before = len(self.emu.model.snapshot_log())
+        answer = self.http.post(self.proxy.url + "/v1/responses", json=body,
+                                headers={"authorization": f"Bearer {key}"})
+        records = self.emu.model.snapshot_log()[before:]
+        SEEN["chained requests"] += 1
+        assert answer.status_code == 200, f"the client saw {answer.status_code}: {answer.text[:300]}"
+        served = records[-1]
+        assert served["status_code"] == 200
+        assert drop_nulls(meaning(served["context"])) == drop_nulls(meaning(meant)), \
+            "the upstream's context differs from the chain the client named"
+        SEEN["expanded"] += served["previous_response_id"] is None and previous is not None
+        SEEN["retried after a refusal"] += len(records) > 1
+        if stream:
+            events = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: ")]
+            response = next(e["response"] for e in reversed(events) if "response" in e)
+        else:
+            response = answer.json()
+        self.chains[response["id"]] = (key, meant + response["output"], response["output"])
+
+
+def test_random_chained_conversations_never_lose_context(chained_stack):
+    ChainedConversations.stack = chained_stack
+    SEEN.clear()
+    run_state_machine_as_test(ChainedConversations, settings=settings(
+        max_examples=EXAMPLES, stateful_step_count=12, deadline=None, derandomize=DERANDOMIZE,
+        suppress_health_check=list(HealthCheck)))
+    print(f"\nchained state machine ({chained_stack[3]}): {EXAMPLES} examples, {dict(SEEN)}")
+    assert SEEN["chained requests"] > EXAMPLES
+    assert SEEN["expanded"] > 0

@@ -23,12 +23,13 @@ ForwardMode, so that it plans the expanded body.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from mitmproxy import http
 
@@ -36,6 +37,7 @@ from .chain import ChainError
 from .glue import HELD, RETRY_OF, Replays, hold, internal_error, request_of
 from .planner import TRANSIENT_STATUSES, Plan, Planner, Reading, splice
 from .recorder import Recorder, Turn, listed_items, response_json, string_input_item
+from .router import ROUTED
 from .sse import AnswerReader
 from .statestore import StateStore
 from .storage import StorageError
@@ -47,6 +49,7 @@ logger = logging.getLogger(__name__)
 EMULATION = "stateful_emulation"  # flow.metadata: what emulation did with the flow
 MAX_FLOWS = 10_000
 NOT_FOUND_RETRY = 0.1  # a turn another proxy has just written may take this long to be visible
+LIST_PARAMETERS = frozenset({"limit", "order", "after", "before", "include", "include[]"})
 _RESOURCE = re.compile(r"^(?P<base>.*)/responses/(?P<id>[^/]+)(?P<items>/input_items)?/?$")
 
 
@@ -59,6 +62,7 @@ class _Flow:
     previous_response_id: str | None  # the client's
     raw_input: list[bytes]  # the client's input items, byte for byte
     client: http.Request  # the client's request
+    moved: bool = False  # routed away from the upstream that holds the chain
     expanded: bytes | None = None  # the body sent instead, chain expanded
     reader: AnswerReader | None = None
     recorded: bool = False
@@ -118,7 +122,8 @@ class StoreEmulation:
             raw_input = [string_input_item(bytes(reading.fields["input"]))]
         tenant = Tenant.of(self.planner.secret, reading.credential)
         previous = reading.previous if isinstance(reading.previous, str) else None
-        record = _Flow(tenant, reading.scope, previous, raw_input, client)
+        moved = bool((flow.metadata.get(ROUTED) or {}).get("moved"))
+        record = _Flow(tenant, reading.scope, previous, raw_input, client, moved)
         self._remember(flow.id, record)
         if previous is None:
             return  # full history: only recorded
@@ -148,6 +153,8 @@ class StoreEmulation:
         marks = self.planner.marks
         if marks.has("unsupported", record.scope, now) or marks.has("refuses_previous", record.scope, now):
             return True
+        if record.moved:
+            return True  # the router sent the turn away from the upstream that holds its chain
         assert record.previous_response_id is not None
         try:
             turn = await self.recorder.turn(record.tenant, record.previous_response_id, self.state.get_strict)
@@ -169,6 +176,23 @@ class StoreEmulation:
         items = b"[" + b",".join(context + record.raw_input) + b"]"
         return splice(record.client.raw_content or b"", reading.fields, {"input": items, "previous_response_id": None})
 
+    async def full_history(self, flow: http.HTTPFlow, client: http.Request) -> bytes | None:
+        """The client's request as full history (its chain expanded), for a
+        turn that must move to another upstream; None when it already is full
+        history, or when the record cannot expand it."""
+        record = self._flows.get(flow.id)
+        if record is not None and record.expanded is not None:
+            return record.expanded
+        if record is None or record.previous_response_id is None:
+            return None
+        reading = self.planner.read(request_of(flow, client), count=False)
+        if isinstance(reading, Plan):
+            return None
+        try:
+            return await self._expand(reading, record)
+        except (ChainError, StorageError):
+            return None
+
     # -- retrieve, input_items, delete --------------------------------------------------
 
     async def _resource(self, flow: http.HTTPFlow, method: str) -> None:
@@ -180,7 +204,11 @@ class StoreEmulation:
         response_id, listing = match["id"], bool(match["items"])
         if method == "DELETE" and listing:
             return
+        # The query string is credential material (gateways take keys there),
+        # except the list's own parameters.
+        query = [(k, v) for k, v in parse_qsl(url.query, keep_blank_values=True) if k not in LIST_PARAMETERS]
         reading = request_of(flow)
+        reading = dataclasses.replace(reading, url=urlunsplit(url._replace(query=urlencode(query))))
         credential = self.planner.credential_material(reading)
         tenant = Tenant.of(self.planner.secret, credential)
         upstream = f"{url.scheme}://{url.netloc}{match['base']}"
@@ -280,8 +308,10 @@ class StoreEmulation:
         record = self._record_of(flow)
         if record is None or flow.response is None:
             return
+        retried_here = False
         try:
             if self._retryable(flow, record) and _refused(flow, record):
+                retried_here = True
                 await self._retry_expanded(flow, record)
             elif "delete" in flow.metadata.get(EMULATION, {}) and flow.response.status_code < 300:
                 self.recorder.forget(record.tenant, flow.metadata[EMULATION]["delete"])
@@ -294,8 +324,8 @@ class StoreEmulation:
         retry_of = flow.metadata.get(RETRY_OF)
         if retry_of is not None:
             self._flows.pop(retry_of, None)  # the client's flow is answered by this retry
-        elif not (flow.metadata.get(HELD) and not self._retryable(flow, record)):
-            self._flows.pop(flow.id, None)  # else forward mode retries it next, and the retry records
+        elif retried_here or not flow.metadata.get(HELD):
+            self._flows.pop(flow.id, None)  # else another addon retries it next, and its retry records
         await self.state.written(record.written)
 
     def error(self, flow: http.HTTPFlow) -> None:
@@ -352,10 +382,14 @@ class StoreEmulation:
             return
         sent_previous = record.previous_response_id if record.expanded is None else None
         echoed = response.get("previous_response_id")
-        if sent_previous is not None and echoed != sent_previous and self.planner.mark("refuses_previous", record.scope):
-            logger.info("stateful-responses: an upstream ignored a previous_response_id; expanding chains for it "
-                        "from now on")
         stored = response.get("store")
+        # An answer to a continuation that names another parent, or says it
+        # stores nothing (then it cannot have continued one either), was made
+        # without the chain: from now on the chain goes expanded.
+        if sent_previous is not None and (echoed != sent_previous or stored is False) \
+                and self.planner.mark("refuses_previous", record.scope):
+            logger.info("stateful-responses: an upstream answered a previous_response_id without its chain; "
+                        "expanding chains for it from now on")
         stored_upstream = stored is True or (stored is None and sent_previous is not None and echoed == sent_previous)
         self.recorder.record(record.tenant, response=response, previous_response_id=record.previous_response_id,
                              raw_input=record.raw_input, stored_upstream=stored_upstream)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from mitmproxy import command, ctx, http
 from mitmproxy.utils import human
@@ -37,6 +39,7 @@ MAX_PENDING = 10_000
 # Request bodies the addon may rewrite are kept whole up to this size even when
 # mitmproxy's stream_large_bodies would stream them past every addon.
 MAX_BUFFERED_REQUEST = 64 * 1024 * 1024
+_RESPONSE_PATH = re.compile(r"^(?P<base>.*)/responses/(?P<id>[^/]+)/?$")
 # flow.marked shows in mitmweb's flow list: continued, sent full, passed.
 MARKS = {"continue": ":recycle:", "full": ":arrow_right:", "pass": ":white_circle:"}
 
@@ -87,6 +90,7 @@ class ForwardMode:
         self.replays = replays
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self._view = None
+        self._polls: dict[str, tuple[str, str]] = {}  # flow id -> (background response id, scope)
 
     # -- hooks ---------------------------------------------------------------
 
@@ -151,6 +155,9 @@ class ForwardMode:
         req.stream = collect
 
     async def request(self, flow: http.HTTPFlow) -> None:
+        if flow.request.method.upper() == "GET":
+            self._watch_poll(flow)
+            return
         if META in flow.metadata or flow.request.raw_content is None:
             return  # planned while streamed, or streamed past the addon
         await self.state.ready()
@@ -222,6 +229,16 @@ class ForwardMode:
             self._debug("full %s: %d items (%s)", plan.model, plan.items_total, plan.reason)
         return plan.body
 
+    def _watch_poll(self, flow: http.HTTPFlow) -> None:
+        """A poll of a background response this addon is waiting for."""
+        url = urlsplit(flow.request.url)
+        match = _RESPONSE_PATH.match(url.path)
+        if match is None or self.planner.background.get(match["id"]) is None:
+            return
+        upstream = f"{url.scheme}://{url.netloc}{match['base']}"
+        scope, _ = self.planner.scope(upstream, self.planner.credential_material(request_of(flow)))
+        self._polls[flow.id] = (match["id"], scope)
+
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is None:
             return
@@ -256,6 +273,18 @@ class ForwardMode:
             self._internal_error("tapping an answer")
 
     async def response(self, flow: http.HTTPFlow) -> None:
+        poll = self._polls.pop(flow.id, None)
+        if poll is not None and flow.response is not None:
+            try:
+                reader = _reader_for(flow.response)
+                reader.feed(flow.response.raw_content or b"")
+                outcome = self.planner.polled(*poll, flow.response.status_code, reader.finish())
+                if outcome is not None:
+                    self._debug("background %s finished: %s", poll[0], outcome.detail)
+                    await self.state.written(self.state.flush())
+            except Exception:
+                self._internal_error("reading a polled background response")
+            return
         pending = self._pending.pop(flow.id, None)
         if pending is None or flow.response is None:
             return

@@ -97,14 +97,17 @@ def _constant(literal: str) -> Any:
     raise Ambiguous(f"{literal} is not JSON")
 
 
+_STRICT = json.JSONDecoder(object_pairs_hook=_pairs, parse_float=Decimal, parse_int=_int, parse_constant=_constant)
+
+
 def strict_loads(data: bytes | str) -> Any:
     """JSON read so that equal results mean equal to every mainstream parser:
     duplicate keys and NaN/Infinity refused, numbers kept as written (a float
     literal as its exact decimal; ``1e400`` or ``1.00000000000000000001`` are
     not rounded into something equal to another literal). Lone surrogates are
-    caught when the value is encoded (``canonical_json``)."""
-    return json.loads(data, object_pairs_hook=_pairs, parse_float=Decimal, parse_int=_int,
-                      parse_constant=_constant)
+    caught when the value is encoded (``canonical_json``). Bytes must be
+    UTF-8 (what JSON on the wire is); a BOM is not JSON."""
+    return _STRICT.decode(data.decode("utf-8") if isinstance(data, bytes | bytearray) else data)
 
 
 _CANONICAL = msgspec.json.Encoder(order="sorted", decimal_format="number")
@@ -132,11 +135,13 @@ def _drop_nulls(value: Any) -> Any:
     return value
 
 
-def normalize_item(item: Any) -> Any:
-    """The comparison form of one input or output item (parsed strictly)."""
+def normalize_item(item: Any, has_nulls: bool = True) -> Any:
+    """The comparison form of one input or output item (parsed strictly).
+    ``has_nulls=False`` says the item holds no null (its raw bytes hold no
+    ``null``): nothing to drop, no need to walk it."""
     if not isinstance(item, dict):
         return {"$non_object": item}
-    out = _drop_nulls(item)
+    out = _drop_nulls(item) if has_nulls else dict(item)
     kind = out.get("type")
     if kind == "item_reference" or (kind is None and "id" in out and "role" not in out):
         # The referenced id *is* the content of a reference: nothing is
@@ -172,7 +177,7 @@ def item_digest(item: Any) -> bytes:
 def _raw_normal_form(raw: bytes) -> Any:
     if raw[:1] != b"{":
         raise ValueError("an item is not a JSON object")
-    return normalize_item(strict_loads(raw))
+    return normalize_item(strict_loads(raw), has_nulls=b"null" in raw)
 
 
 def raw_item_digest(raw: bytes) -> bytes:

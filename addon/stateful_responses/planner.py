@@ -130,7 +130,7 @@ class _Draft:
 class Outcome:
     """What one answer taught the store, for logs, counters and the flow."""
 
-    kind: Literal["advanced", "dropped", "unsupported", "ignored", "retry", "transient"]
+    kind: Literal["advanced", "dropped", "unsupported", "ignored", "retry", "transient", "pending"]
     detail: str
     response_id: str | None = None
 
@@ -256,6 +256,8 @@ class Planner:
     digests: DigestCache = field(default_factory=DigestCache, repr=False)
     # Output items by id, per namespace: an item_reference equals the item it names.
     refs: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)
+    # Background responses still running: their plans wait for the poll that finds them finished.
+    background: Bounded = field(default_factory=lambda: Bounded(4096), repr=False)
     clock: Callable[[], float] = field(default=time.time, repr=False)
     _secret: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
     _outbox: list[Write] = field(default_factory=list, repr=False)
@@ -596,6 +598,9 @@ class Planner:
                 self._mark_unsupported(plan.scope)
                 return Outcome("unsupported", "upstream ignored previous_response_id", rid)
             self.mark("honours_previous", plan.scope)
+        if status in ("queued", "in_progress") and response.get("background") is True and isinstance(rid, str):
+            self.background.put(rid, plan)
+            return Outcome("pending", "a background response: learned from when a poll finds it finished", rid)
         if status != "completed" or not isinstance(rid, str) or not rid:
             self._forget_parent(plan)
             return Outcome("dropped", f"response status {status!r}", rid if isinstance(rid, str) else None)
@@ -644,6 +649,18 @@ class Planner:
             self.mark("honours_previous", plan.scope)
             return Outcome("ignored", "the upstream honours previous_response_id", response.get("id"))
         return Outcome("ignored", "client-managed continuation")
+
+    def polled(self, response_id: str, scope: str, status_code: int, response: Any) -> Outcome | None:
+        """A poll of a background response (``GET /responses/{id}``) by the
+        same upstream + credential: once it is finished, learn from it as from
+        the answer to the request that started it."""
+        plan = self.background.hit(response_id)
+        if plan is None or plan.scope != scope or status_code >= 400 or not isinstance(response, dict):
+            return None
+        if response.get("status") in ("queued", "in_progress"):
+            return None
+        del self.background[response_id]
+        return self.settle(plan, status_code, response)
 
     def abandon(self, plan: Plan, why: str) -> Outcome:
         """The request failed before any answer (reset, refused, timeout): the

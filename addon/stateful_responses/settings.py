@@ -66,6 +66,12 @@ def _check_models(name: str, models: tuple[str, ...]) -> tuple[str, ...]:
     return models
 
 
+def parse_text(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise SettingsError(f"{name}: expected text, got {value!r}")
+    return value.strip()
+
+
 EMULATE_MODES = ("off", "auto", "always")
 
 
@@ -103,6 +109,10 @@ OPTIONS: dict[str, tuple[Any, Any, Any, str]] = {
         "Only these models; a trailing * is a wildcard (empty: all).",
     ),
     "stateful_max_chains": (parse_positive_int, int, 256, "How many conversation branches are kept in memory."),
+    "stateful_upstreams": (
+        lambda n, v: _check_urls(n, parse_list(n, v)), Sequence[str], [],
+        "Base URLs of several upstreams to route between (empty: the one upstream of the proxy mode).",
+    ),
     "stateful_store": (
         parse_store, str, "sqlite",
         "Where state lives: sqlite (a file in the confdir), sqlite:PATH, memory, "
@@ -115,6 +125,10 @@ OPTIONS: dict[str, tuple[Any, Any, Any, str]] = {
         "upstream cannot continue it), always (the proxy is the store). Keeps conversation content in the store.",
     ),
     "stateful_max_depth": (parse_positive_int, int, 1000, "Deepest previous_response_id chain expanded."),
+    "stateful_record_file": (
+        parse_text, str, "",
+        "Append one JSON line per LLM API call (its continuation record and mapping audit) to this file.",
+    ),
     "stateful_store_max_mb": (parse_positive_int, int, 512, "Size cap of the SQLite file, in MiB."),
     "stateful_debug": (parse_bool, bool, False, "Log one line per decision."),
 }
@@ -129,10 +143,12 @@ class Settings:
     base_urls: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
     max_chains: int = 256
+    upstreams: tuple[str, ...] = ()
     store: str = "sqlite"
     ttl_days: int = 30
     emulate: str = "off"
     max_depth: int = 1000
+    record_file: str = ""
     store_max_mb: int = 512
     debug: bool = False
 

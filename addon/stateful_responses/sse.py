@@ -247,3 +247,52 @@ class AnswerReader:
         self._decoder = None
         self.response = None
         self._json = bytearray()
+
+
+class LiftReader:
+    """Reads any protocol's answer on the side for its lifter
+    (``protocols.AnswerLifter``): content-decoded, SSE framed, or a JSON body
+    (Gemini's streamed JSON array included) handed over whole at its end.
+    Never raises; an unreadable answer lifts to None."""
+
+    def __init__(self, lifter: Any, content_type: str, content_encoding: str) -> None:
+        self.lifter = lifter
+        self.is_sse = content_type.split(";")[0].strip().lower() == "text/event-stream"
+        self._body = bytearray()
+        self._sse = SSEParser()
+        self._done = False
+        try:
+            self._decoder: _Decoder | None = _Decoder(content_encoding)
+        except Unreadable:
+            self._decoder = None
+
+    def feed(self, chunk: bytes) -> None:
+        if self._decoder is None or self._done:
+            return
+        try:
+            data = self._decoder.feed(chunk)
+            if self.is_sse:
+                for event, payload in self._sse.feed(data):
+                    self.lifter.event(event, payload)
+            else:
+                self._body += data
+                if len(self._body) > MAX_BUFFER:
+                    raise Unreadable("answer too large to read")
+        except Exception:  # noqa: BLE001 - a reader must never break the stream
+            self._decoder = None
+
+    def finish(self) -> Any:
+        """The lifted answer, once the answer has ended (None if unreadable)."""
+        if self._decoder is None:
+            return None
+        if not self._done:
+            self._done = True
+            try:
+                if self.is_sse:
+                    for event, payload in self._sse.close():
+                        self.lifter.event(event, payload)
+                else:
+                    self.lifter.body(bytes(self._body))
+            except Exception:  # noqa: BLE001
+                return None
+        return self.lifter.finish()

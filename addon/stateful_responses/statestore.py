@@ -12,12 +12,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from collections.abc import Sequence
+from typing import Protocol
 
 from mitmproxy import command, ctx
 
+from .continuation import CHAIN_RESPONSES, CHAIN_TIPS, CHAIN_TURNS
 from .planner import Planner
-from .recorder import Recorder
+from .settings import Settings
 from .state import ENTRIES, MARKS, REFS, StoredEntry, Write, entries_found
 from .storage import Storage, StorageError, open_storage
 from .turns import ITEMS, TURNS, conflict
@@ -29,18 +32,28 @@ FLUSH_WAIT = 0.25  # an answer's end waits this long at most for its writes
 RETRY_AFTER = 2.0  # between attempts to reach a store that failed
 MARKS_EVERY = 5.0  # how often marks set by other processes are read
 READY_WAIT = 2.0  # at start, requests wait this long at most for the store
+DRAIN_WAIT = 3.0  # at shutdown, the last writes get this long
+
+
+class Remembers(Protocol):
+    """What keeps state for the store: an outbox of writes, and a way to forget."""
+
+    def take_writes(self) -> list[Write]: ...
+
+    def clear(self) -> None: ...
 
 
 class StateStore:
-    def __init__(self, planner: Planner, recorder: Recorder) -> None:
+    def __init__(self, planner: Planner, *others: Remembers) -> None:
         self.planner = planner
-        self.recorder = recorder
+        self.sources: tuple[Remembers, ...] = (planner, *others)
         self.storage: Storage | None = None
         self.up = False  # connected, secret loaded: reads and writes go to the store
         self._queue: asyncio.Queue[tuple[list[Write], asyncio.Future]] | None = None
         self._tasks: list[asyncio.Task] = []
         self._warned = False  # one warning per outage
         self._attempted: asyncio.Event | None = None  # the first connection attempt is over
+        self._inflight: list[Write] = []  # the batch the writer is applying
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -62,12 +75,26 @@ class StateStore:
         self._tasks = [loop.create_task(self._keep_connected()), loop.create_task(self._write_loop())]
 
     def _stop(self) -> None:
+        """Stop, and write what is still queued before going: a turn an agent
+        was just answered must survive a restart."""
+        unwritten = self._unwritten()
         for task in self._tasks:
             task.cancel()
         self._tasks = []
         storage, self.storage, self.up = self.storage, None, False
         if storage is not None:
+            if unwritten:
+                _drain(storage.name, self.planner.settings, unwritten)
             asyncio.get_running_loop().create_task(self._close_quietly(storage))
+
+    def _unwritten(self) -> list[Write]:
+        """The batch being written, the queued ones and the outboxes, in order."""
+        writes = list(self._inflight)
+        while self._queue is not None and not self._queue.empty():
+            batch, done = self._queue.get_nowait()
+            writes += batch
+            done.set_result(None)
+        return writes + [w for source in self.sources for w in source.take_writes()]
 
     @staticmethod
     async def _close_quietly(storage: Storage) -> None:
@@ -162,7 +189,7 @@ class StateStore:
     def flush(self) -> asyncio.Future | None:
         """Queue the planner's outbox for the store; the future is done once
         written (or dropped: the store is down). None when nothing to write."""
-        writes = self.planner.take_writes() + self.recorder.take_writes()
+        writes = [w for source in self.sources for w in source.take_writes()]
         if not writes or self._queue is None:
             return None
         done = asyncio.get_running_loop().create_future()
@@ -181,11 +208,13 @@ class StateStore:
             writes, done = await self._queue.get()
             try:
                 if self.up and self.storage is not None:
+                    self._inflight = writes
                     await _apply(self.storage, writes)
                     self._worked()
             except StorageError as e:
                 self._failed(e)
             finally:
+                self._inflight = []
                 if not done.done():
                     done.set_result(None)
 
@@ -194,8 +223,8 @@ class StateStore:
     @command.command("stateful.clear")
     def clear(self) -> None:
         """Forget everything the addon learned, in memory and in the store."""
-        self.planner.clear()
-        self.recorder.clear()
+        for source in self.sources:
+            source.clear()
         if self.up and self.storage is not None:
             asyncio.get_running_loop().create_task(self._clear_store(self.storage))
         logger.info("stateful-responses: forgot everything it had learned")
@@ -207,12 +236,40 @@ class StateStore:
             self._failed(e)
 
 
+def _drain(name: str, settings: Settings, writes: list[Write]) -> None:
+    """Apply the last writes at shutdown (or when the store changes). The hook
+    that stops us cannot wait on the event loop, so they go through a store
+    of their own on a thread of their own, for at most DRAIN_WAIT seconds."""
+    if settings.store.strip() == "memory":
+        return  # nothing outlives the process anyway
+
+    async def write() -> None:
+        storage = open_storage(settings.store, os.path.expanduser(ctx.options.confdir), _limits(settings.store),
+                               max_bytes=settings.store_max_mb * 1024 * 1024)
+        try:
+            await storage.open()
+            await _apply(storage, writes)
+        finally:
+            await storage.close()
+
+    def run() -> None:
+        try:
+            asyncio.run(write())
+        except StorageError as e:
+            logger.warning("stateful-responses: %d last writes to %s were lost (%s)", len(writes), name, e)
+
+    thread = threading.Thread(target=run, name="stateful-responses-drain", daemon=True)
+    thread.start()
+    thread.join(DRAIN_WAIT)
+
+
 def _limits(spec: str) -> dict[str, int]:
     """Records per table: memory holds a tenth of what a store on disk or on a
     server may."""
     scale = 1 if spec.strip() == "memory" else 10
     return {ENTRIES: 100_000 * scale, REFS: 100_000 * scale, MARKS: 10_000, TURNS: 100_000 * scale,
-            ITEMS: 400_000 * scale}
+            ITEMS: 400_000 * scale, CHAIN_TURNS: 100_000 * scale, CHAIN_RESPONSES: 100_000 * scale,
+            CHAIN_TIPS: 100_000 * scale}
 
 
 async def _apply(storage: Storage, writes: list[Write]) -> None:

@@ -13,6 +13,7 @@ from mitmproxy import contentviews
 
 META = "stateful"
 CLIENT_BODY = "stateful_client_body"  # flow.metadata: the client's body, when we changed it
+RECORD = "continuation"  # flow.metadata: the continuation record (record.py)
 NAME = "Stateful Responses"
 
 
@@ -23,7 +24,21 @@ def _pretty(data: bytes) -> str:
         return data.decode("utf-8", "replace")
 
 
+def _record_lines(flow) -> list[str]:
+    record = flow.metadata.get(RECORD)
+    if not record:
+        return []
+    lines = ["", "--- continuation record ---", json.dumps(record, indent=2)]
+    mapping = (flow.metadata.get("audit") or {}).get("protocolMapping") or {}
+    for disposition, entries in mapping.items():
+        for entry in entries:
+            lines.append(f"{disposition}: {entry['field']}: {entry['reason']} ({entry['source']})")
+    return lines
+
+
 def render(flow, data: bytes) -> str:
+    if META not in flow.metadata:  # another protocol's call: its record and its body
+        return "\n".join(_record_lines(flow)[1:] + ["", f"--- body ({len(data)} bytes) ---", _pretty(data)])
     decision = flow.metadata.get(META, {})
     lines = [f"decision: {decision.get('action', '?')} ({decision.get('reason', '')})"]
     if decision.get("previous_response_id"):
@@ -36,6 +51,7 @@ def render(flow, data: bytes) -> str:
                      + (f" -> {decision['response_id']}" if decision.get("response_id") else ""))
     if decision.get("retried_after"):
         lines.append(f"upstream answered {decision['retried_after']}; retried with the client's original body")
+    lines += _record_lines(flow)
     original = flow.metadata.get(CLIENT_BODY)
     if original is None:
         lines += ["", f"--- body (unchanged, {len(data)} bytes) ---", _pretty(data)]
@@ -45,8 +61,12 @@ def render(flow, data: bytes) -> str:
     return "\n".join(lines)
 
 
+def _ours(flow) -> bool:
+    return flow is not None and (META in flow.metadata or bool(flow.metadata.get(RECORD)))
+
+
 def _is_our_request(flow, message) -> bool:
-    return flow is not None and META in flow.metadata and message is getattr(flow, "request", None)
+    return _ours(flow) and message is getattr(flow, "request", None)
 
 
 if hasattr(contentviews, "Contentview"):  # mitmproxy >= 12
@@ -56,7 +76,7 @@ if hasattr(contentviews, "Contentview"):  # mitmproxy >= 12
         syntax_highlight = "yaml"
 
         def prettify(self, data: bytes, metadata) -> str:
-            if metadata.flow is None or META not in metadata.flow.metadata:
+            if not _ours(metadata.flow):
                 raise ValueError("not a flow stateful-responses matched")
             return render(metadata.flow, data)
 
@@ -69,7 +89,7 @@ else:  # mitmproxy 11
         name = NAME
 
         def __call__(self, data: bytes, *, flow=None, **metadata):
-            if flow is None or META not in flow.metadata:
+            if not _ours(flow):
                 raise ValueError("not a flow stateful-responses matched")
             return NAME, ([("text", line)] for line in render(flow, data).splitlines())
 

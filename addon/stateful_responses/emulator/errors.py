@@ -1,6 +1,7 @@
 """The API's refusals: status and ``{"error": {message, type, param, code}}``
 bodies, worded as OpenAI's API words them where that is known (see
-docs/emulator.md for where each wording comes from)."""
+docs/emulator.md for where each wording comes from). The other APIs' modules
+(anthropic.py, gemini.py) raise the same ``APIError`` with their own bodies."""
 
 from __future__ import annotations
 
@@ -12,11 +13,15 @@ STREAM_ERROR = {"type": "server_error", "code": "server_error",
 
 
 class APIError(Exception):
+    """A refusal: its status and body. The body is OpenAI's unless another
+    API's is given; every API's body has its details under ``error``."""
+
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, body: dict | None = None) -> None:
         super().__init__(message)
         self.status = status
-        self.body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+        self.body = body if body is not None else {
+            "error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def missing_api_key() -> APIError:

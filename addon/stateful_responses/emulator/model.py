@@ -6,6 +6,10 @@ docs/emulator.md), not the addon: responses are stored per credential;
 ``previous_response_id`` makes the context the stored chain (every input and
 output before) plus this input; ``instructions`` and ``tools`` are not
 inherited; unknown or unstored parents get the API's own error body.
+
+The same model answers the stateless conversation APIs (Chat Completions,
+Anthropic Messages, Gemini) through ``converse``, with one log and one fault
+queue for all; their modules give each API's shapes (conversation.py).
 """
 
 from __future__ import annotations
@@ -13,29 +17,23 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import re
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import errors
+from .conversation import CALL_PATTERN, Call, Conversation, ConversationAPI, canonical, context_digest, decide
 from .errors import APIError
 from .shapes import is_item_reference, listed_item, new_id, response_object
 from .store import BackgroundJob, ResponseStore, StoredResponse
 
 __all__ = ["APIError", "Faults", "ResponsesModel", "canonical", "context_digest"]
 
-CALL_PATTERN = re.compile(r"call:([A-Za-z_][A-Za-z0-9_]*)\((\{.*?\})\)")
 LIST_ORDERS = ("asc", "desc")
-
-
-def canonical(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
-
-
-def context_digest(items: list) -> str:
-    return hashlib.sha256(canonical(items)).hexdigest()[:16]
+RESPONSES = "openai-responses"  # the log's ``protocol`` for this API
+# The faults the other APIs take; the rest are about Responses' own semantics.
+CONVERSATION_FAULTS = frozenset({"status", "reset", "html", "cut"})
 
 
 def _text_of(item: dict) -> str:
@@ -63,8 +61,13 @@ class Faults:
     read_rate_bytes_per_s: int = 0  # request bodies are read at this rate (0: as fast as they come)
     next: list[dict] = field(default_factory=list)  # one-shot faults, FIFO
 
-    def take(self, continued: bool) -> dict | None:
+    def take(self, continued: bool, protocol: str = RESPONSES, kinds: frozenset[str] | None = None) -> dict | None:
+        """The first queued fault that applies: to this protocol (a fault may
+        name one), of one of ``kinds`` (None: any), and to a continuation or
+        a fresh request as its ``when`` says."""
         for i, fault in enumerate(self.next):
+            if fault.get("protocol", protocol) != protocol or (kinds is not None and fault.get("kind") not in kinds):
+                continue
             when = fault.get("when", "any")
             if when == "any" or (when == "continued") == continued:
                 return self.next.pop(i)
@@ -126,8 +129,8 @@ class ResponsesModel:
 
         Raises APIError with the API's status and body for refused requests.
         """
-        record: dict[str, Any] = {"body_bytes": body_bytes, "body_sha256": raw_sha256,
-                                  "credential": hashlib.sha256(credential.encode()).hexdigest()[:8]}
+        record: dict[str, Any] = {"protocol": RESPONSES, "body_bytes": body_bytes, "body_sha256": raw_sha256,
+                                  "credential": _credential_hash(credential)}
         with self._lock:
             self._advance_background()
             self.log.append(record)
@@ -165,7 +168,7 @@ class ResponsesModel:
             if f.stateless != "ignore":
                 parent = self._parent(credential, previous)
         items, references = self._resolve_references(credential, items, store is not False)
-        fault = f.take(continued=previous is not None and f.stateless != "ignore")
+        fault = f.take(continued=previous is not None and f.stateless != "ignore", protocol=RESPONSES)
         kind = fault.get("kind") if fault else None
         record["fault"] = kind
         if kind == "reject":
@@ -289,6 +292,36 @@ class ResponsesModel:
         })
         return output
 
+    # -- the other conversation APIs (chat.py, anthropic.py, gemini.py) -------
+
+    def converse(self, api: ConversationAPI, call: Call) -> tuple[dict, Conversation, dict | None]:
+        """Answer one request to another API with the same deterministic model,
+        logged like ``create``. Returns (answer, conversation, one-shot fault);
+        raises APIError with that API's status and body for refused requests."""
+        credential = api.credential(call)
+        record: dict[str, Any] = {"protocol": api.name, "body_bytes": call.body_bytes,
+                                  "body_sha256": call.body_sha256, "credential": _credential_hash(credential)}
+        with self._lock:
+            self._advance_background()
+            self.log.append(record)
+            try:
+                if not credential:
+                    raise api.missing_credential()
+                conversation = api.read(call)
+                record.update(model=conversation.model, stream=conversation.stream, system=conversation.system)
+                fault = self.faults.take(continued=False, protocol=api.name, kinds=CONVERSATION_FAULTS)
+                record["fault"] = fault.get("kind") if fault else None
+                if record["fault"] == "status":
+                    raise api.error(fault.get("status", 500))
+                record.update(context=conversation.context, context_digest=context_digest(conversation.context))
+                answer = api.answer(conversation, decide(conversation))
+                record.update(response_id=api.answer_id(answer), output=api.output(answer))
+            except APIError as e:
+                record.update(error=e.body["error"], status_code=e.status)
+                raise
+            record["status_code"] = 200
+            return answer, conversation, fault
+
     # -- background responses ------------------------------------------------
 
     def _advance_background(self) -> None:
@@ -376,6 +409,11 @@ class ResponsesModel:
             page = window[-limit:] if "before" in query and "after" not in query else window[:limit]
             return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                     "last_id": page[-1]["id"] if page else None, "has_more": len(window) > len(page)}
+
+
+def _credential_hash(credential: str) -> str:
+    """What the log keeps of a credential: enough to tell tenants apart."""
+    return hashlib.sha256(credential.encode()).hexdigest()[:8]
 
 
 def _input_of(body: dict) -> list:

@@ -1,11 +1,16 @@
 """HTTP face of the emulator: the Responses API's endpoints, under ``/v1`` or
-not, plus a control plane under ``/_emulator/`` for tests and the demo.
+not, three other conversation APIs, and a control plane under ``/_emulator/``
+for tests and the demo.
 
   ``POST   /v1/responses``                     create (JSON or SSE; background too)
   ``GET    /v1/responses/{id}``                retrieve
   ``DELETE /v1/responses/{id}``                delete
   ``GET    /v1/responses/{id}/input_items``    list the items it was generated from
   ``POST   /v1/responses/{id}/cancel``         cancel a background response
+
+  ``POST   /v1/chat/completions``              OpenAI Chat Completions (chat.py)
+  ``POST   /v1/messages``                      Anthropic Messages (anthropic.py)
+  ``POST   /v1beta/models/{model}:generateContent``, ``…:streamGenerateContent``  Gemini (gemini.py)
 
 Control plane (docs/emulator.md lists every command):
   ``GET  /_emulator/log``      what it received: bytes, items, continued, context
@@ -29,11 +34,22 @@ from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, urlsplit
 
 from . import errors
+from .anthropic import Messages
+from .chat import ChatCompletions
+from .conversation import Call, ConversationAPI
 from .errors import APIError
+from .gemini import GenerateContent
 from .model import ResponsesModel
 from .sse import TERMINAL_EVENT, background_events, encode_event, error_events, sse_events
 
 ROUTE = re.compile(r"^(?:/v1)?/responses(?:/(?P<id>[^/]+)(?:/(?P<action>input_items|cancel))?)?/?$")
+CONVERSATION_ROUTES: tuple[tuple[re.Pattern, ConversationAPI], ...] = (
+    (re.compile(r"^(?:/v1)?/chat/completions/?$"), ChatCompletions()),
+    (re.compile(r"^(?:/v1)?/messages/?$"), Messages()),
+    (re.compile(r"^/v1(?:beta|alpha)?/models/(?P<model>[^/:]+):(?P<method>generateContent|streamGenerateContent)$"),
+     GenerateContent()),
+)
+HTML_PAGE = b"<html><body>502 Bad Gateway</body></html>"
 BACKGROUND_POLL_S = 0.01  # how often a streamed background response looks for progress
 PACED_READ_INTERVAL_S = 0.02  # a paced body is read in chunks of this many seconds' worth
 
@@ -125,6 +141,14 @@ class _Handler(BaseHTTPRequestHandler):
     def _send_error(self, error: APIError) -> None:
         self._send_json(error.status, error.body)
 
+    def _send_html(self) -> None:
+        """A proxy's error page with status 200: what the ``html`` fault sends."""
+        self.send_response(200)
+        self.send_header("content-type", "text/html")
+        self.send_header("content-length", str(len(HTML_PAGE)))
+        self.end_headers()
+        self.wfile.write(HTML_PAGE)
+
     def do_GET(self) -> None:
         self._read_body()
         if self.path == "/_emulator/log":
@@ -152,7 +176,14 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(200, self.model.control(json.loads(self._read_body() or b"{}")))
             return
         body = self._read_body(self.model.faults.read_rate_bytes_per_s)
+        url = urlsplit(self.path)
         try:
+            for pattern, api in CONVERSATION_ROUTES:
+                if match := pattern.match(url.path):
+                    self._converse(api, Call(_parsed(body), {k.lower(): v for k, v in self.headers.items()},
+                                             match.groupdict(), dict(parse_qsl(url.query)), len(body),
+                                             self.raw_sha256))
+                    return
             route = self._route("POST", "responses", "cancel")
             if route.endpoint == "cancel":
                 self._send_json(200, self.model.cancel(self._credential(), route.response_id))
@@ -161,11 +192,24 @@ class _Handler(BaseHTTPRequestHandler):
         except APIError as e:
             self._send_error(e)
 
+    def _converse(self, api: ConversationAPI, call: Call) -> None:
+        """A request to one of the other conversation APIs: answered as JSON or
+        streamed as that API streams, unless a fault says otherwise."""
+        answer, conversation, fault = self.model.converse(api, call)
+        kind = (fault or {}).get("kind")
+        if kind == "reset":
+            self._reset_connection()
+        elif kind == "html":
+            self._send_html()
+        elif not conversation.stream:
+            self._send_json(200, answer)
+        else:
+            content_type, frames = api.stream(conversation, answer)
+            self._stream(api.answer_id(answer), frames, content_type,
+                         cut_after=fault.get("after_events") if kind == "cut" else None)
+
     def _create(self, body: bytes) -> None:
-        try:
-            parsed = json.loads(body)
-        except ValueError:
-            parsed = None
+        parsed = _parsed(body)
         credential = self._credential()
         response, fault = self.model.create(credential, parsed, len(body), self.raw_sha256)
         fault = fault or {}
@@ -173,12 +217,7 @@ class _Handler(BaseHTTPRequestHandler):
         if kind == "reset":
             self._reset_connection()
         elif kind == "html":
-            data = b"<html><body>502 Bad Gateway</body></html>"
-            self.send_response(200)
-            self.send_header("content-type", "text/html")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            self._send_html()
         elif not parsed.get("stream"):
             self._send_json(200, response)
         else:
@@ -190,7 +229,8 @@ class _Handler(BaseHTTPRequestHandler):
                 events = self._follow_background(credential, response, obfuscation)
             else:
                 events = sse_events(response, fault.get("terminal_event"), obfuscation=obfuscation)
-            self._stream(response["id"], events, cut_after=fault.get("after_events") if kind == "cut" else None)
+            self._stream(response["id"], (encode_event(event) for event in events), "text/event-stream; charset=utf-8",
+                         cut_after=fault.get("after_events") if kind == "cut" else None)
 
     def _follow_background(self, credential: str, queued: dict, obfuscation: bool) -> Iterator[dict]:
         """A streamed background response's events: created and queued at once,
@@ -216,11 +256,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.connection.close()
         self.close_connection = True
 
-    def _stream(self, response_id: str, events: Iterable[dict], cut_after: int | None) -> None:
+    def _stream(self, response_id: str, frames: Iterable[bytes], content_type: str, cut_after: int | None) -> None:
+        """Send ``frames`` as they come, chunked (gzipped when set), pausing
+        ``slow_ms`` after each; ``cut_after`` resets the connection after that many."""
         faults = self.model.faults
         compress = zlib.compressobj(wbits=16 + zlib.MAX_WBITS) if faults.gzip else None
         self.send_response(200)
-        self.send_header("content-type", "text/event-stream; charset=utf-8")
+        self.send_header("content-type", content_type)
         self.send_header("transfer-encoding", "chunked")
         self.send_header("cache-control", "no-cache")
         if compress:
@@ -235,11 +277,10 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.flush()
 
         sent = bytearray()
-        for n, event in enumerate(events):
+        for n, data in enumerate(frames):
             if cut_after is not None and n >= cut_after:
                 self._reset_connection()
                 return
-            data = encode_event(event)
             sent += data
             self.model.record_stream(response_id, bytes(sent))
             chunk(data)
@@ -250,6 +291,14 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"%x\r\n%s\r\n" % (len(tail), tail))
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
+
+
+def _parsed(body: bytes) -> Any:
+    """The JSON body, or None when it is not JSON (each API refuses that its own way)."""
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
 
 
 class _Server(ThreadingHTTPServer):

@@ -20,7 +20,7 @@ def encode_event(event: dict) -> bytes:
     return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
 
 
-def _obfuscation(delta: str) -> str:
+def obfuscation_padding(delta: str) -> str:
     """Random padding on delta events, which the API sends by default so that
     event sizes do not give away the tokens' lengths."""
     return "".join(secrets.choice(OBFUSCATION_ALPHABET) for _ in range(max(2, 16 - len(delta))))
@@ -47,7 +47,7 @@ def sse_events(response: dict, terminal_event: str | None = None, *, queued: boo
 
     def delta(event: dict) -> dict:
         if obfuscation:
-            event["obfuscation"] = _obfuscation(event["delta"])
+            event["obfuscation"] = obfuscation_padding(event["delta"])
         return event
 
     for index, item in enumerate(response["output"]):

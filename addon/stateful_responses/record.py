@@ -1,0 +1,245 @@
+"""The continuation record's mitmproxy glue (issue 12, seed 003).
+
+Every flow that is an LLM API call (OpenAI Responses, Chat Completions,
+Anthropic Messages, Gemini) gets ``flow.metadata["continuation"]`` and
+``flow.metadata["audit"]["protocolMapping"]``; its comment starts with a
+chain tag (``~comment chain:ab12cd34`` filters one conversation in mitmweb);
+with ``stateful_record_file`` each flow is also one JSON line there, once its
+answer is complete or failed. Listed right after the state store: it lifts the
+client's own request, before any addon of ours changes it, and what the other
+addons did is read back from the flow when the answer is in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+
+from mitmproxy import ctx, http
+
+from .continuation import CHAIN_TIPS, ChainIndex, Turn, audit_entry, chain_tag
+from .emulation import EMULATION
+from .glue import HELD, RETRY_OF, internal_error, request_of
+from .planner import Planner
+from .protocols import AnswerLifter, detect, lift_request
+from .router import ROUTED
+from .sse import LiftReader
+from .statestore import StateStore
+from .view import META
+
+logger = logging.getLogger(__name__)
+
+CONTINUATION = "continuation"
+AUDIT = "audit"
+MAX_TURNS = 10_000
+
+
+class RecordFile:
+    """One JSON line per flow, appended by a thread of its own (never on the
+    event loop); one writer, so concurrent flows never interleave in a line."""
+
+    def __init__(self) -> None:
+        self.path = ""
+        self._lines: queue.SimpleQueue[tuple[str, str] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def configure(self, path: str) -> None:
+        self.path = os.path.expanduser(path)
+        if self.path and self._thread is None:
+            self._thread = threading.Thread(target=self._write, name="stateful-responses-record", daemon=True)
+            self._thread.start()
+
+    def append(self, line: dict) -> None:
+        if self.path:
+            self._lines.put((self.path, json.dumps(line, separators=(",", ":")) + "\n"))
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._lines.put(None)
+            self._thread.join(5)
+            self._thread = None
+
+    def _write(self) -> None:
+        while (item := self._lines.get()) is not None:
+            path, line = item
+            try:
+                with open(path, "a", encoding="utf-8") as f:
+                    f.write(line)
+            except OSError as e:
+                logger.warning("stateful-responses: cannot append to the record file (%s)", e.strerror)
+
+
+class ContinuationRecord:
+    def __init__(self, planner: Planner, state: StateStore, index: ChainIndex) -> None:
+        self.planner = planner
+        self.state = state
+        self.index = index
+        self.file = RecordFile()
+        self._turns: OrderedDict[str, tuple[Turn, LiftReader | None]] = OrderedDict()
+
+    def configure(self, updated: set[str]) -> None:
+        if "stateful_record_file" in updated:
+            self.file.configure(ctx.options.stateful_record_file)
+        self.index.ttl = self.planner.ttl
+
+    def done(self) -> None:
+        self.file.close()
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        if not self.planner.settings.enabled or flow.metadata.get(RETRY_OF) is not None:
+            return
+        protocol = detect(flow.request.method, flow.request.url)
+        if protocol is None:
+            return
+        await self.state.ready()
+        try:
+            lifted = lift_request(protocol, flow.request.url, flow.request.raw_content or b"")
+            if lifted is None:
+                flow.metadata[CONTINUATION] = None
+                entry = audit_entry("body", "unsupported", "not this protocol's JSON: no conversation to record",
+                                    protocol)
+                flow.metadata[AUDIT] = {"protocolMapping": {"unsupported": [dataclasses.asdict(entry)]}}
+                return
+            credential = self.planner.credential_material(request_of(flow))
+            turn = self.index.begin(lifted, credential, self.planner.secret, flow_id=flow.id,
+                                    upstream=_upstream(flow))
+            if turn.unresolved:
+                self.index.resolve(turn, await self.state.get(self.index.table_of(turn), turn.unresolved))
+            if (chain := self.index.unknown_tip(turn)) is not None:
+                self.index.learn_tips(turn, await self.state.get(CHAIN_TIPS, [chain]))
+            self.index.claim(turn)
+            self.state.flush()
+            self._remember(flow.id, (turn, None))
+            flow.metadata[CONTINUATION] = turn.record()
+            flow.metadata[AUDIT] = {"protocolMapping": turn.audit()}
+            flow.comment = chain_tag(turn.chain_id)
+        except Exception:
+            internal_error(self.planner.counters, "lifting a request")
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        entry = self._turns.get(flow.id)
+        if entry is None or flow.response is None or flow.metadata.get(HELD):
+            return
+        try:
+            turn = entry[0]
+            reader = LiftReader(AnswerLifter(turn.protocol), flow.response.headers.get("content-type", ""),
+                                flow.response.headers.get("content-encoding", ""))
+            self._turns[flow.id] = (turn, reader)
+            downstream = flow.response.stream
+
+            def tap(chunk: bytes) -> bytes:
+                reader.feed(chunk)  # never raises
+                return downstream(chunk) if callable(downstream) else chunk
+
+            flow.response.stream = tap
+        except Exception:
+            internal_error(self.planner.counters, "tapping an answer to lift")
+
+    @property
+    def answers(self) -> RecordAnswers:
+        return RecordAnswers(self)
+
+    async def finish_response(self, flow: http.HTTPFlow) -> None:
+        entry = self._turns.pop(flow.id, None)
+        if entry is None or flow.response is None:
+            return
+        turn, reader = entry
+        try:
+            if reader is None or flow.response.status_code >= 300:  # read whole: held, buffered or replaced
+                reader = LiftReader(AnswerLifter(turn.protocol), flow.response.headers.get("content-type", ""),
+                                    flow.response.headers.get("content-encoding", ""))
+                reader.feed(flow.response.raw_content or b"")
+            answer = reader.finish() if flow.response.status_code < 300 else None
+            self._finish(flow, turn, answer)
+        except Exception:
+            internal_error(self.planner.counters, "recording a turn")
+
+    def finish_error(self, flow: http.HTTPFlow) -> None:
+        entry = self._turns.pop(flow.id, None)
+        if entry is not None:
+            try:
+                self._finish(flow, entry[0], None)
+            except Exception:
+                internal_error(self.planner.counters, "recording a failed turn")
+
+    def _finish(self, flow: http.HTTPFlow, turn: Turn, answer) -> None:
+        turn.changes += _changes_made(flow, turn.protocol)
+        routed = flow.metadata.get(ROUTED) or {}
+        turn.upstream = routed.get("failed_over_to") or routed.get("upstream") or turn.upstream
+        turn.restored = any(c.field in ("input", "previous_response_id") and c.disposition != "unsupported"
+                            for c in turn.changes)
+        self.index.finish(turn, answer)
+        self.state.flush()
+        record, audit = turn.record(), {"protocolMapping": turn.audit()}
+        flow.metadata[CONTINUATION] = record
+        flow.metadata[AUDIT] = audit
+        tag = chain_tag(turn.chain_id)
+        if not (flow.comment or "").startswith(tag):
+            flow.comment = f"{tag} {flow.comment}".strip()
+        self.file.append({"flow": flow.id, "time": time.time(), "protocol": turn.protocol,
+                          "model": turn.request.model, "continuation": record, "audit": audit})
+
+    def _remember(self, flow_id: str, entry: tuple[Turn, LiftReader | None]) -> None:
+        self._turns[flow_id] = entry
+        while len(self._turns) > MAX_TURNS:
+            self._turns.popitem(last=False)
+
+
+class RecordAnswers:
+    """The record's answer side, listed after every addon that may change or
+    replace an answer (a retry, a failover), so that it records what the
+    client got and everything our addons did."""
+
+    def __init__(self, record: ContinuationRecord) -> None:
+        self.record = record
+
+    async def response(self, flow: http.HTTPFlow) -> None:
+        await self.record.finish_response(flow)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self.record.finish_error(flow)
+
+
+def _upstream(flow: http.HTTPFlow) -> str:
+    return f"{flow.request.scheme}://{flow.request.host}:{flow.request.port}"
+
+
+def _changes_made(flow: http.HTTPFlow, protocol: str) -> list:
+    """Audit entries for what our own addons changed in this flow."""
+    changes = []
+    decision = flow.metadata.get(META) or {}
+    if decision.get("action") == "continue":
+        changes.append(audit_entry(
+            "input", "preserved",
+            f"continued from {decision.get('previous_response_id')}: {decision.get('items_sent')} of "
+            f"{decision.get('items_total')} items sent, the rest by reference to what the upstream stored",
+            protocol))
+    if decision.get("forced_store"):
+        changes.append(audit_entry("store", "lossy", "the client's store choice replaced by store: true "
+                                   "(stateful_force_store)", protocol))
+    if decision.get("retried_after"):
+        changes.append(audit_entry("input", "preserved", f"the upstream answered {decision['retried_after']} "
+                                   "to the changed request; retried with the client's own body", protocol))
+    routed = flow.metadata.get(ROUTED) or {}
+    if routed.get("failed_over_to"):
+        changes.append(audit_entry(
+            "upstream", "lossy", f"{routed['upstream']} answered {routed['failed_after']}; the turn went to "
+            f"{routed['failed_over_to']} with full history", protocol, routed["failed_over_to"]))
+    if routed.get("reasoning_dropped"):
+        changes.append(audit_entry(
+            "reasoning.encrypted_content", "dropped", f"{routed['reasoning_dropped']} reasoning items encrypted by "
+            f"{routed['upstream']} cannot be read by {routed['failed_over_to']}", protocol, routed["failed_over_to"]))
+    emulated = flow.metadata.get(EMULATION) or {}
+    if emulated.get("expanded"):
+        changes.append(audit_entry("previous_response_id", "dropped",
+                                   f"{emulated.get('previous_response_id')} expanded into the recorded chain: "
+                                   "the upstream got full history instead", protocol))
+        changes.append(audit_entry("instructions", "dropped", "earlier turns' instructions are not carried "
+                                   "over (the API does not inherit them)", protocol))
+    return changes

@@ -1,0 +1,181 @@
+"""The router's mitmproxy glue: ``stateful_upstreams`` (issue 12).
+
+Listed after the continuation record and before store emulation and forward
+mode: it reads the record (``routing.Routes`` decides), points the flow at the
+chosen upstream, and those two then plan for that upstream. An upstream that
+refuses connections is found by a connect probe before it is used after a
+quiet second, and avoided; a 5xx is held back and the turn goes to another
+upstream with full history (reasoning another upstream encrypted cannot
+travel: the audit says so). A connection that fails after the probe gets
+mitmproxy's 502 (its SDK retries, and the retry goes elsewhere).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from urllib.parse import urlsplit
+
+import msgspec
+from mitmproxy import http
+
+from .glue import RETRY_OF, Replays, hold, internal_error
+from .planner import Planner, splice
+from .routing import Route, Routes
+
+logger = logging.getLogger(__name__)
+
+ROUTED = "stateful_routed"  # flow.metadata: {"upstream", "reason", "moved"}
+PROBE_TIMEOUT = 0.3
+_ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
+
+
+def point_at(request: http.Request, upstream: str) -> None:
+    """Send ``request`` to ``upstream`` (a base URL), keeping its own path."""
+    base = urlsplit(upstream)
+    request.scheme = base.scheme
+    request.host = base.hostname or ""
+    request.port = base.port or (443 if base.scheme == "https" else 80)
+    request.host_header = base.netloc
+    prefix = base.path.rstrip("/")
+    if prefix and not request.path.startswith(prefix + "/"):
+        request.path = prefix + request.path
+
+
+async def reachable(upstream: str) -> bool:
+    base = urlsplit(upstream)
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(base.hostname, base.port or (443 if base.scheme == "https" else 80)),
+            PROBE_TIMEOUT)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
+def without_foreign_reasoning(body: bytes) -> tuple[bytes, int]:
+    """A Responses body without the reasoning items another upstream
+    encrypted (no other upstream can read them); how many were dropped."""
+    try:
+        fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+        items = _ITEMS.decode(fields["input"]) if "input" in fields else []
+    except (msgspec.DecodeError, KeyError):
+        return body, 0
+    kept = []
+    for raw in items:
+        item = json.loads(bytes(raw))
+        if not (isinstance(item, dict) and item.get("type") == "reasoning" and item.get("encrypted_content")):
+            kept.append(bytes(raw))
+    if len(kept) == len(items):
+        return body, 0
+    return splice(body, fields, {"input": b"[" + b",".join(kept) + b"]"}), len(items) - len(kept)
+
+
+class Router:
+    def __init__(self, planner: Planner, replays: Replays, expand) -> None:
+        self.planner = planner
+        self.replays = replays
+        self.expand = expand  # async (flow, client request) -> full-history body or None (store emulation)
+        self.routes: Routes | None = None
+        self._clients: dict[str, http.Request] = {}
+
+    def configure(self, updated: set[str]) -> None:
+        if "stateful_upstreams" in updated:
+            upstreams = self.planner.settings.upstreams
+            self.routes = Routes(list(upstreams)) if upstreams else None
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        routes = self.routes
+        if routes is None or flow.metadata.get(RETRY_OF) is not None or flow.response is not None:
+            return
+        try:
+            record = flow.metadata.get("continuation") or {}
+            route = routes.choose(record)
+            while routes.needs_probe(route.upstream) and not await reachable(route.upstream):
+                routes.failed(route.upstream)
+                logger.warning("stateful-responses: upstream %s refused a connection; avoided for a while",
+                               urlsplit(route.upstream).netloc)
+                if not any(routes.up(u) for u in routes.upstreams):
+                    break
+                route = routes.choose(record)
+            self._clients[flow.id] = flow.request.copy()
+            point_at(flow.request, route.upstream)
+            routes.started(route.upstream)
+            flow.metadata[ROUTED] = {"upstream": route.upstream, "reason": route.reason, "moved": route.moved}
+        except Exception:
+            internal_error(self.planner.counters, "routing a request")
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if ROUTED in flow.metadata and flow.response is not None and flow.response.status_code >= 500 \
+                and flow.metadata.get(RETRY_OF) is None:
+            hold(flow)  # another upstream may answer instead, before the client sees this
+
+    @property
+    def answers(self) -> RouterAnswers:
+        return RouterAnswers(self)
+
+    async def finish_response(self, flow: http.HTTPFlow) -> None:
+        routed = flow.metadata.get(ROUTED)
+        client = self._clients.pop(flow.id, None)
+        if routed is None or self.routes is None or flow.response is None:
+            return
+        routes, upstream = self.routes, routed["upstream"]
+        routes.ended(upstream)
+        try:
+            if flow.response.status_code < 500:
+                routes.heard_from(upstream)
+                routes.settle(flow.metadata.get("continuation") or {}, upstream)
+            elif client is not None:
+                routes.failed(upstream)
+                await self._fail_over(flow, client, upstream)
+        except Exception:
+            internal_error(self.planner.counters, "failing over")
+
+    def finish_error(self, flow: http.HTTPFlow) -> None:
+        routed = flow.metadata.get(ROUTED)
+        self._clients.pop(flow.id, None)
+        if routed is not None and self.routes is not None:
+            self.routes.ended(routed["upstream"])
+            self.routes.failed(routed["upstream"])
+
+    async def _fail_over(self, flow: http.HTTPFlow, client: http.Request, failed: str) -> None:
+        """The turn's upstream answered 5xx: another one answers, with full
+        history, and the client never sees the failure."""
+        assert self.routes is not None and flow.response is not None
+        record = flow.metadata.get("continuation") or {}
+        route: Route = self.routes.choose({**record, "stickyScope": "request"})
+        if route.upstream == failed:
+            return  # nowhere else to go: the client gets the upstream's own answer
+        body = await self.expand(flow, client) or client.raw_content or b""
+        body, dropped = without_foreign_reasoning(body)
+        retry = client.copy()
+        retry.content = body
+        point_at(retry, route.upstream)
+        status = flow.response.status_code
+        answer, failure = await self.replays.send(flow, retry, f"failed over after {status}")
+        flow.response = answer
+        if failure is None and answer.status_code < 500:
+            self.routes.heard_from(route.upstream)
+            self.routes.settle(record, route.upstream)
+        flow.metadata[ROUTED] = {**flow.metadata[ROUTED], "failed_over_to": route.upstream,
+                                 "failed_after": status, "reasoning_dropped": dropped}
+        flow.marked = ":warning:"
+        logger.info("stateful-responses: a turn failed over from %s to %s after %d",
+                    urlsplit(failed).netloc, urlsplit(route.upstream).netloc, status)
+
+
+class RouterAnswers:
+    """The router's answer side, listed after store emulation and forward
+    mode: they learn from the failed upstream's own answer before a failover
+    replaces it."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def response(self, flow: http.HTTPFlow) -> None:
+        await self.router.finish_response(flow)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self.router.finish_error(flow)

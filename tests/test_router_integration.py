@@ -1,0 +1,97 @@
+"""The router (issue 12) through real mitmdump over three emulators, each with
+its own store: chains stay where their state is, new chains spread, and one
+upstream stopping mid-run costs no client an error or its context."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+from driver import ChainedConversation, Conversation, drop_nulls, expand_input
+from stateful_responses.emulator import Emulator
+
+
+@pytest.fixture
+def upstreams():
+    emulators = [Emulator().start() for _ in range(3)]
+    yield emulators
+    for emulator in emulators:
+        emulator.stop()
+
+
+class Tracked:
+    """A client whose every request is found again in whichever upstream served it."""
+
+    def __init__(self, conv, upstreams) -> None:
+        self.conv, self.upstreams = conv, upstreams
+        self.served: list[tuple[int, dict]] = []  # (upstream index, record) per answered request
+
+    def turn(self, text: str) -> None:
+        before = [len(u.model.snapshot_log()) for u in self.upstreams]
+        self.conv.turn(text)
+        for index, (u, start) in enumerate(zip(self.upstreams, before, strict=True)):
+            self.served += [(index, r) for r in u.model.snapshot_log()[start:] if r["status_code"] == 200]
+
+    def meant(self) -> list[list]:
+        if isinstance(self.conv, ChainedConversation):
+            return self.conv.meant
+        return [s.body["input"] for s in self.conv.sent]
+
+
+def test_chains_stay_with_their_state_spread_out_and_survive_an_upstream_stopping(upstreams, start_proxy):
+    proxy = start_proxy(upstreams[0].url, "--set", "stateful_upstreams=" + ",".join(u.url for u in upstreams),
+                        "--set", "stateful_emulate=auto", "--set", "stateful_debug=true")
+    clients = [Tracked(ChainedConversation(proxy.url, api_key=f"sk-chained-{n}"), upstreams) for n in range(3)]
+    clients += [Tracked(Conversation(proxy.url, api_key=f"sk-full-{n}"), upstreams) for n in range(3)]
+    for n in range(3):
+        for k, client in enumerate(clients):
+            client.turn(f"client {k} turn {n}")
+    starts = Counter(client.served[0][0] for client in clients)
+    assert all(starts[u] >= 2 for u in range(3)), starts  # each upstream started a third of the six chains
+    for client in clients:  # and every chain stayed where it started
+        assert len({index for index, _ in client.served}) == 1
+
+    upstreams[1].stop()
+    time.sleep(1.2)  # the router probes an upstream it has not heard from for a second
+    for n in range(3, 6):
+        for k, client in enumerate(clients):
+            client.turn(f"client {k} turn {n}")  # no client sees an error
+    for client in clients:
+        client.conv.close()
+        meant, served = client.meant(), client.served
+        assert len(served) == len(meant)
+        for number, (context, (_, record)) in enumerate(zip(meant, served, strict=True)):
+            assert drop_nulls(record["context"]) == drop_nulls(expand_input(context)), f"request {number}"
+        assert all(index != 1 for index, _ in served[-3:])  # nothing went to the stopped upstream
+    not_found = [r for u in (upstreams[0], upstreams[2]) for r in u.model.snapshot_log()
+                 if (r.get("error") or {}).get("code") == "previous_response_not_found"]
+    assert not_found == []
+    assert "refused a connection" in proxy.output()
+
+
+@pytest.mark.parametrize("chained", [True, False], ids=["previous-response-id", "full-history"])
+def test_a_5xx_fails_over_with_full_history_invisibly(upstreams, start_proxy, tmp_path, chained):
+    record_file = tmp_path / "records.jsonl"
+    proxy = start_proxy(upstreams[0].url, "--set", "stateful_upstreams=" + ",".join(u.url for u in upstreams),
+                        "--set", "stateful_emulate=auto", "--set", f"stateful_record_file={record_file}")
+    conv = ChainedConversation(proxy.url) if chained else Conversation(proxy.url)
+    client = Tracked(conv, upstreams)
+    for n in range(2):
+        client.turn(f"turn {n}")
+    home = client.served[-1][0]
+    upstreams[home].model.control({"fail_next": [{"kind": "status", "status": 503}]})
+    client.turn("the home upstream fails this one")
+    client.turn("and the chain goes on")
+    conv.close()
+    assert client.served[-2][0] != home  # answered elsewhere, the client never saw the 503
+    for number, (context, (_, record)) in enumerate(zip(client.meant(), client.served, strict=True)):
+        assert drop_nulls(record["context"]) == drop_nulls(expand_input(context)), f"request {number}"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and len(record_file.read_text().splitlines()) < len(client.served):
+        time.sleep(0.05)
+    import json
+
+    lines = [json.loads(line) for line in record_file.read_text().splitlines()]
+    moved = [line for line in lines if any(e["field"] == "upstream" for e in line["audit"]["protocolMapping"]["lossy"])]
+    assert len(moved) == 1
