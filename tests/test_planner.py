@@ -400,9 +400,14 @@ def test_a_continuation_whose_answer_does_not_echo_the_id_is_not_built_upon():
         b'{"model":"m","input":[{"role":"user","content":"a","content":"b"}]}',
         b'{"model":"m","input":[{"role":"user","content":"\\ud800x"}]}',
         b'{"model":"m","input":[{"type":"function_call_output","call_id":"c","output":Infinity}]}',
+        b'{"model":"m","tools":[{"type":"function","name":"f","name":"g"}],"input":"x"}',
+        b'{"model":"m","tools":[{"type":"function\xed\xa0\x80","name":"f"}],"input":"x"}',
+        b'{"model":"m","temperature":1e400,"input":"x"}',
+        b'{"model":"m","metadata":{"a":{"b":1,"b":2}},"input":"x"}',
     ],
     ids=["duplicate-input", "duplicate-identical-input", "duplicate-store", "duplicate-in-item",
-         "lone-surrogate", "infinity"],
+         "lone-surrogate", "infinity", "duplicate-in-tools", "surrogate-bytes-in-tools", "overflowing-number",
+         "duplicate-deep-in-metadata"],
 )
 def test_ambiguous_bodies_pass_byte_identical(body):
     planner = Planner()

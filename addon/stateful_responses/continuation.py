@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 from blake3 import blake3
 
-from .items import ItemSequence, canonical_json
+from .items import Ambiguous, ItemSequence, canonical_json
 from .protocols import AuditEntry, LiftedAnswer, LiftedRequest
 from .state import Bounded, Write
 
@@ -160,7 +160,8 @@ class ChainIndex:
               upstream: str) -> Turn:
         """A request's turn, continued from what memory knows; ``unresolved``
         names what the backing store may know better (``resolve``). Keyed
-        with the store's secret: every proxy sharing the store names alike."""
+        with the store's secret: every proxy sharing the store names alike.
+        Ambiguous when a message reads differently in other parsers."""
         root = blake3(b"chains\x00" + credential, key=secret).digest()
         digests = request.digests if request.digests is not None else \
             [blake3(canonical_json(m)).digest(16) for m in request.messages]
@@ -232,7 +233,10 @@ class ChainIndex:
         turn.answer = answer
         if answer is None or answer.status != "completed":
             return
-        digests = [blake3(canonical_json(m)).digest(16) for m in answer.messages]
+        try:
+            digests = [blake3(canonical_json(m)).digest(16) for m in answer.messages]
+        except Ambiguous:
+            return  # an answer other clients would read differently: nothing continues from it
         ref = TurnRef(turn.turn_id, turn.chain_id, turn.protocol, turn.flow_id, answer.response_id, turn.upstream)
         value = _ENCODE(ref)
         if digests:

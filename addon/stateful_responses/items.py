@@ -93,19 +93,28 @@ def _int(literal: str) -> Any:
     return Decimal(literal) if literal == "-0" else int(literal)
 
 
+def _float(literal: str) -> Decimal:
+    # Kept as written, so that 1.50 and 1.5 never merge by accident; refused
+    # when parsers that read doubles would round it (1e400, 1.00000000000000000001).
+    value = Decimal(literal)
+    if Decimal(repr(float(literal))) != value:
+        raise Ambiguous("a number that parsers read differently")
+    return value
+
+
 def _constant(literal: str) -> Any:
     raise Ambiguous(f"{literal} is not JSON")
 
 
-_STRICT = json.JSONDecoder(object_pairs_hook=_pairs, parse_float=Decimal, parse_int=_int, parse_constant=_constant)
+_STRICT = json.JSONDecoder(object_pairs_hook=_pairs, parse_float=_float, parse_int=_int, parse_constant=_constant)
 
 
 def strict_loads(data: bytes | str) -> Any:
     """JSON read so that equal results mean equal to every mainstream parser:
-    duplicate keys and NaN/Infinity refused, numbers kept as written (a float
-    literal as its exact decimal; ``1e400`` or ``1.00000000000000000001`` are
-    not rounded into something equal to another literal). Lone surrogates are
-    caught when the value is encoded (``canonical_json``). Bytes must be
+    duplicate keys, NaN/Infinity and numbers a double would round (``1e400``,
+    ``1.00000000000000000001``) refused, numbers otherwise kept as written
+    (``-0`` apart from ``0``). Lone surrogates are caught when the value is
+    encoded (``canonical_json``). Bytes must be
     UTF-8 (what JSON on the wire is); a BOM is not JSON."""
     return _STRICT.decode(data.decode("utf-8") if isinstance(data, bytes | bytearray) else data)
 
@@ -178,6 +187,15 @@ def _raw_normal_form(raw: bytes) -> Any:
     if raw[:1] != b"{":
         raise ValueError("an item is not a JSON object")
     return normalize_item(strict_loads(raw), has_nulls=b"null" in raw)
+
+
+def unambiguous(raw: bytes) -> bool:
+    """Whether every mainstream parser reads this JSON value the same way."""
+    try:
+        canonical_json(strict_loads(raw))
+    except (ValueError, RecursionError):  # Ambiguous, and UTF-8 that is not
+        return False
+    return True
 
 
 def raw_item_digest(raw: bytes) -> bytes:

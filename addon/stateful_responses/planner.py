@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import msgspec
 from blake3 import blake3
 
-from .items import Ambiguous, DigestCache, ItemSequence, as_item_list, item_digest
+from .items import Ambiguous, DigestCache, ItemSequence, as_item_list, item_digest, unambiguous
 from .settings import Settings
 from .state import (
     ENTRIES,
@@ -262,6 +262,7 @@ class Planner:
     _secret: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
     _outbox: list[Write] = field(default_factory=list, repr=False)
     _last_read: tuple | None = field(default=None, repr=False)
+    _checked_fields: Bounded = field(default_factory=lambda: Bounded(1024), repr=False)  # raw value -> verdict
 
     def __post_init__(self) -> None:
         self.store = PrefixStore(self.settings.max_chains)
@@ -400,7 +401,7 @@ class Planner:
             return Plan("pass", "client uses a conversation", upstream, model)
         try:
             raw_items, digests = self._items(body.get("input"))
-            if not _unambiguous_top_level(request.body, body):
+            if not _unambiguous_top_level(request.body, body) or not self._unambiguous_fields(body):
                 raise Ambiguous("top level")
         except Ambiguous:
             return self._ambiguous(upstream, model, count)
@@ -551,6 +552,24 @@ class Planner:
             self._shape(plan, Match(prefixes[k - 1], entry.response_id, k))
             self._count(plan)
             return
+
+    def _unambiguous_fields(self, body: dict[str, msgspec.Raw]) -> bool:
+        """Every top-level value but the input (whose items are checked one by
+        one) reads the same in every mainstream parser. They are small and come
+        back unchanged every turn (tools, instructions): each is checked once."""
+        checked = self._checked_fields
+        for key, raw in body.items():
+            if key == "input":
+                continue
+            value = bytes(raw)
+            verdict = checked.get(value)
+            if verdict is None:
+                verdict = unambiguous(value)
+                if len(value) <= 65536:
+                    checked.put(value, verdict)
+            if not verdict:
+                return False
+        return True
 
     def _ambiguous(self, upstream: str, model: str, rewrite: bool) -> Plan:
         if rewrite:

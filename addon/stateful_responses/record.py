@@ -27,6 +27,7 @@ from mitmproxy import ctx, http
 from .continuation import CHAIN_TIPS, ChainIndex, Turn, audit_entry, chain_tag
 from .emulation import EMULATION
 from .glue import HELD, RETRY_OF, internal_error, request_of
+from .items import Ambiguous
 from .planner import Planner, Reading
 from .protocols import AnswerLifter, LiftedRequest, detect, lift_request, responses
 from .router import ROUTED
@@ -102,15 +103,18 @@ class ContinuationRecord:
         await self.state.ready()
         try:
             lifted = self._lift(protocol, flow)
-            if lifted is None:
+            credential = self.planner.credential_material(request_of(flow))
+            try:
+                turn = None if lifted is None else self.index.begin(lifted, credential, self.planner.secret,
+                                                                     flow_id=flow.id, upstream=_upstream(flow))
+            except Ambiguous:
+                turn = None
+            if turn is None:
                 flow.metadata[CONTINUATION] = None
-                entry = audit_entry("body", "unsupported", "not this protocol's JSON: no conversation to record",
-                                    protocol)
+                entry = audit_entry("body", "unsupported", "no conversation to record: not this protocol's JSON, "
+                                    "or JSON that parsers read differently", protocol)
                 flow.metadata[AUDIT] = {"protocolMapping": {"unsupported": [dataclasses.asdict(entry)]}}
                 return
-            credential = self.planner.credential_material(request_of(flow))
-            turn = self.index.begin(lifted, credential, self.planner.secret, flow_id=flow.id,
-                                    upstream=_upstream(flow))
             if turn.unresolved:
                 self.index.resolve(turn, await self.state.get(self.index.table_of(turn), turn.unresolved))
             if (chain := self.index.unknown_tip(turn)) is not None:

@@ -285,7 +285,9 @@ class ResponsesModel:
             return output
         text = f"I saw {len(context)} items; context digest {digest}."
         if body.get("instructions"):
-            text += f" Instructions digest {hashlib.sha256(str(body['instructions']).encode()).hexdigest()[:8]}."
+            # surrogatepass: a lone surrogate the client escaped is text the API accepts
+            instructions = str(body["instructions"]).encode("utf-8", "surrogatepass")
+            text += f" Instructions digest {hashlib.sha256(instructions).hexdigest()[:8]}."
         output.append({
             "type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
