@@ -178,6 +178,7 @@ async def test_retrieve_shapes():
     assert whole == answer(1)
     listed = listed_items(await recorder.input_items(ALICE, turn, records.get), "resp_1")
     assert listed[0]["id"].startswith("msg_") and listed[0]["type"] == "message" and listed[1]["id"] == "msg_c"
+    assert listed[0]["content"] == [{"type": "input_text", "text": "hello"}] and listed[0]["status"] == "completed"
 
 
 async def test_a_cold_walk_fetches_ancestors_in_batches_not_one_by_one():

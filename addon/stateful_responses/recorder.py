@@ -224,15 +224,31 @@ def response_json(turn: Turn, output: Sequence[bytes]) -> bytes:
     return shell[:-1] + b',"output":' + items + b"}"
 
 
+# How the API lists input items: typed, with an id (prefixed by kind), an easy
+# message's text as one content part, and a status on the kinds that carry one.
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
+              "custom_tool_call": "ctc", "custom_tool_call_output": "ctco"}
+_WITH_STATUS = frozenset({"message", "function_call", "function_call_output"})
+
+
 def listed_items(raw_items: Sequence[bytes], response_id: str) -> list[dict]:
-    """Input items as the API lists them: each with an id (made stable for
-    items the client sent without one)."""
+    """Input items as the API lists them (``GET /responses/{id}/input_items``);
+    an item the client sent without an id gets a stable one."""
     listed = []
     for n, raw in enumerate(raw_items):
         item = json.loads(raw)
-        if isinstance(item, dict) and "id" not in item:
-            item = {"id": "msg_" + blake3(canonical_json([response_id, n])).hexdigest(12), **item}
-            if item.get("type") is None and "role" in item:
-                item["type"] = "message"
-        listed.append(item)
+        if not isinstance(item, dict):
+            continue
+        kind = item.get("type") or "message"
+        made_up = f"{_ID_PREFIX.get(kind, 'item')}_{blake3(canonical_json([response_id, n])).hexdigest(12)}"
+        entry = {"id": item.get("id") or made_up, "type": kind,
+                 **{k: v for k, v in item.items() if k not in ("id", "type")}}
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            entry["content"] = [{"type": part, "text": item["content"]}]
+            if part == "output_text":
+                entry["content"][0]["annotations"] = []
+        if kind in _WITH_STATUS and entry.get("status") is None:
+            entry["status"] = "completed"
+        listed.append(entry)
     return listed
