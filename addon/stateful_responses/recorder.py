@@ -52,6 +52,9 @@ class Recorder:
     turns: Bounded = field(default_factory=lambda: Bounded(4096), repr=False)  # turn key -> Turn, or its record
     items: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)  # item key -> item JSON
     inputs: Bounded = field(default_factory=lambda: Bounded(4096), repr=False)  # (tenant, input digest) -> id
+    # (tenant, response id) -> (chain depth, the chain's item keys): an agent
+    # loop's next turn is expanded without walking its chain again.
+    contexts: Bounded = field(default_factory=lambda: Bounded(64), repr=False)
     _outbox: list[Write] = field(default_factory=list, repr=False)
 
     def take_writes(self) -> list[Write]:
@@ -62,6 +65,7 @@ class Recorder:
         self.turns.clear()
         self.items.clear()
         self.inputs.clear()
+        self.contexts.clear()
         self._outbox.clear()
 
     # -- recording ---------------------------------------------------------------
@@ -104,10 +108,15 @@ class Recorder:
         known = self.turns.get(key)
         if isinstance(known, Turn) and known.header.fingerprint != header.fingerprint or known is _CONFLICT:
             self.turns.put(key, _CONFLICT)  # one id, two contents: never expanded (the store drops it too)
+            self.contexts.clear()
         else:
             self.turns.put(key, Turn(header, body))
         if rolling:
             self.inputs.put((tenant.tag, rolling[-1]), response_id)
+        parent_context = self.contexts.get((tenant.tag, previous_response_id)) if previous_response_id else None
+        if parent_context is not None and self.turns.get(key) is not _CONFLICT:
+            depth, keys = parent_context  # the next turn of an agent loop expands without a walk
+            self.contexts.put((tenant.tag, response_id), (depth + 1, keys + input_keys + output_keys))
         self._outbox.append(Write(TURNS, key, record, self.ttl, new=True, label=response_id))
 
     def _item(self, tenant: Tenant, raw: bytes, digest: bytes) -> bytes:
@@ -121,6 +130,7 @@ class Recorder:
         """A deleted response: continuing from it is "not found" from now on."""
         key = tenant.turn_key(response_id)
         self.turns.pop(key, None)
+        self.contexts.clear()  # a chain through it is "not found" now
         self._outbox.append(Write(TURNS, key, None))
 
     # -- reading -------------------------------------------------------------------
@@ -163,11 +173,16 @@ class Recorder:
                 return None
             return Link(response_id, turn.body.previous_response_id, turn.header.status, turn)
 
-        turns = await walk(link, previous_response_id, self.max_depth)
-        keys: list[bytes] = []
-        for turn in turns:
-            keys += await self._input_keys(tenant, turn, get, previous_response_id)
-            keys += turn.body.output
+        cached = self.contexts.hit((tenant.tag, previous_response_id))
+        if cached is not None and cached[0] <= self.max_depth:
+            keys = cached[1]
+        else:
+            turns = await walk(link, previous_response_id, self.max_depth)
+            keys = []
+            for turn in turns:
+                keys += await self._input_keys(tenant, turn, get, previous_response_id)
+                keys += turn.body.output
+            self.contexts.put((tenant.tag, previous_response_id), (len(turns), keys))
         return await self._items(tenant, keys, get, previous_response_id)
 
     async def output_items(self, tenant: Tenant, turn: Turn, get: GetRecords) -> list[bytes]:

@@ -18,6 +18,7 @@ what bounds and conflicts need: status, time, size, a keyed fingerprint.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -73,9 +74,7 @@ class Tenant:
 
     @classmethod
     def of(cls, secret: bytes, credential: bytes) -> Tenant:
-        tag = blake3(b"tenant\x00" + credential, key=secret).digest(KEY_SIZE)
-        seal_key = blake3(secret + credential, derive_key_context=_SEAL_CONTEXT).digest(32)
-        return cls(tag, secret, ChaCha20Poly1305(seal_key))
+        return _tenant(secret, credential)
 
     def turn_key(self, response_id: str) -> bytes:
         return blake3(self.tag + b"turn\x00" + response_id.encode("utf-8", "surrogatepass"),
@@ -124,6 +123,15 @@ class Tenant:
         if body.response_id != response_id:
             return None
         return header, body
+
+
+@functools.lru_cache(maxsize=256)
+def _tenant(secret: bytes, credential: bytes) -> Tenant:
+    """One Tenant per credential while it is in use: deriving its key and
+    setting up its cipher on every request would cost more than sealing."""
+    tag = blake3(b"tenant\x00" + credential, key=secret).digest(KEY_SIZE)
+    seal_key = blake3(secret + credential, derive_key_context=_SEAL_CONTEXT).digest(32)
+    return Tenant(tag, secret, ChaCha20Poly1305(seal_key))
 
 
 def header_of(record: bytes) -> TurnHeader | None:
