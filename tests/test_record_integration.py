@@ -208,3 +208,15 @@ def test_every_protocols_conversation_is_one_chain_with_its_tool_loop(emulator, 
         assert any(mapping[d] for d in ("preserved", "lossy", "dropped", "unsupported"))
         assert mapping["unsupported"], "no server-side continuation must be said"
     assert "Paris" not in record_file.read_text() and "21C" not in record_file.read_text()
+
+
+def test_a_request_nested_past_any_sense_is_recorded_as_such_without_an_internal_error(emulator, start_proxy):
+    nested = b'{"deeper":[' * 300 + b'"bottom"' + b',1]}' * 300  # 600 levels: parsed, then too deep to walk
+    body = (b'{"model":"gpt-test","input":[{"role":"user","content":"x"},'
+            b'{"type":"function_call_output","call_id":"c","output":"o","extra":' + nested + b'}]}')
+    proxy = start_proxy(emulator.url)
+    with httpx.Client(trust_env=False, timeout=30) as c:
+        answer = c.post(proxy.url + "/v1/responses", content=body,
+                        headers={"authorization": "Bearer k", "content-type": "application/json"})
+    assert answer.status_code in (200, 400)  # the upstream's own answer, whatever it makes of it
+    assert "internal error" not in proxy.output()

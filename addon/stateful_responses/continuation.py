@@ -235,7 +235,7 @@ class ChainIndex:
             return
         try:
             digests = [blake3(canonical_json(m)).digest(16) for m in answer.messages]
-        except Ambiguous:
+        except (Ambiguous, RecursionError):
             return  # an answer other clients would read differently: nothing continues from it
         ref = TurnRef(turn.turn_id, turn.chain_id, turn.protocol, turn.flow_id, answer.response_id, turn.upstream)
         value = _ENCODE(ref)

@@ -102,12 +102,12 @@ class ContinuationRecord:
             return
         await self.state.ready()
         try:
-            lifted = self._lift(protocol, flow)
             credential = self.planner.credential_material(request_of(flow))
             try:
+                lifted = self._lift(protocol, flow)
                 turn = None if lifted is None else self.index.begin(lifted, credential, self.planner.secret,
                                                                      flow_id=flow.id, upstream=_upstream(flow))
-            except Ambiguous:
+            except (Ambiguous, RecursionError):  # read differently elsewhere, or nested past any sense
                 turn = None
             if turn is None:
                 flow.metadata[CONTINUATION] = None
