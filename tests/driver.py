@@ -87,7 +87,10 @@ class Conversation:
         self.client.close()
 
     def _create(self):
-        kwargs = dict(model=self.model, input=self.history, tools=TOOLS, instructions=INSTRUCTIONS)
+        return self._send(dict(model=self.model, input=self.history, tools=TOOLS, instructions=INSTRUCTIONS))
+
+    def _send(self, kwargs: dict):
+        """One request, JSON or streamed: the final response either way."""
         if not self.stream:
             return self.client.responses.create(**kwargs)
         final = None
@@ -134,15 +137,7 @@ class ChainedConversation(Conversation):
         kwargs = dict(model=self.model, input=new, tools=TOOLS, instructions=INSTRUCTIONS)
         if self.previous is not None:
             kwargs["previous_response_id"] = self.previous
-        if not self.stream:
-            response = self.client.responses.create(**kwargs)
-        else:
-            response = None
-            with self.client.responses.create(stream=True, **kwargs) as events:
-                for event in events:
-                    if event.type in ("response.completed", "response.failed", "response.incomplete"):
-                        response = event.response
-            assert response is not None, "stream ended without a terminal event"
+        response = self._send(kwargs)
         self.previous = response.id
         self._sent_upto = len(self.history) + len(response.output)
         return response
