@@ -34,7 +34,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from mitmproxy import http
 
 from .chain import ChainError
-from .glue import HELD, RETRY_OF, Replays, hold, internal_error, request_of
+from .glue import HELD, RETRY_OF, Replays, end_still_to_come, hold, internal_error, request_of
 from .planner import TRANSIENT_STATUSES, Plan, Planner, Reading, splice
 from .recorder import Recorder, Turn, listed_items, response_json, string_input_item
 from .router import ROUTED
@@ -326,7 +326,8 @@ class StoreEmulation:
             self._flows.pop(retry_of, None)  # the client's flow is answered by this retry
         elif retried_here or not flow.metadata.get(HELD):
             self._flows.pop(flow.id, None)  # else another addon retries it next, and its retry records
-        await self.state.written(record.written)
+        if end_still_to_come(flow.response):
+            await self.state.written(record.written)
 
     def error(self, flow: http.HTTPFlow) -> None:
         if flow.metadata.get(RETRY_OF) is None:

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from mitmproxy import command, ctx, http
 from mitmproxy.utils import human
 
-from .glue import HELD, RETRY_OF, Replays, hold, internal_error, request_of
+from .glue import HELD, RETRY_OF, Replays, end_still_to_come, hold, internal_error, request_of
 from .planner import (
     TRANSIENT_STATUSES,
     Outcome,
@@ -293,7 +293,8 @@ class ForwardMode:
             await self._retry(flow, pending)
         # A streamed answer's end reaches the client after this hook: by then
         # what it taught is in the store, for every other proxy too.
-        await self.state.written(pending.written)
+        if end_still_to_come(flow.response):
+            await self.state.written(pending.written)
 
     def error(self, flow: http.HTTPFlow) -> None:
         pending = self._pending.pop(flow.id, None)

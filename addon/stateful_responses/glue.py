@@ -28,6 +28,13 @@ def hold(flow: http.HTTPFlow) -> None:
     flow.metadata[HELD] = True
 
 
+def end_still_to_come(response: http.Response) -> bool:
+    """Whether the client still waits for this answer's end after the response
+    hooks (a chunked stream: SSE). With a Content-Length it already has every
+    byte, and waiting would only hold back its next request on the connection."""
+    return "content-length" not in response.headers
+
+
 def request_of(flow: http.HTTPFlow, req: http.Request | None = None) -> Request:
     """The pure core's view of a flow's request (or of ``req``, the client's)."""
     req = req or flow.request
