@@ -263,6 +263,7 @@ class Planner:
     _outbox: list[Write] = field(default_factory=list, repr=False)
     _last_read: tuple | None = field(default=None, repr=False)
     _checked_fields: Bounded = field(default_factory=lambda: Bounded(1024), repr=False)  # raw value -> verdict
+    _scopes: Bounded = field(default_factory=lambda: Bounded(1024), repr=False)  # (upstream, credential) -> scope
 
     def __post_init__(self) -> None:
         self.store = PrefixStore(self.settings.max_chains)
@@ -285,6 +286,7 @@ class Planner:
         if secret != self._secret:
             self._secret = secret
             self._last_read = None
+            self._scopes.clear()
             self.store.clear()
             self.marks.clear()
             self.refs.clear()
@@ -341,6 +343,9 @@ class Planner:
         Returns the scope (a keyed hash) and its label for logs: scheme, host
         and hash tags, never the path (some gateways take keys there) nor
         anything of the credential."""
+        known = self._scopes.get((upstream, credential))
+        if known is not None:
+            return known
         upstream_bytes = upstream.encode("utf-8", "surrogatepass")
         scope = blake3(upstream_bytes + b"\x00" + credential, key=self._secret).hexdigest(16)
         parts = urlsplit(upstream)
@@ -349,7 +354,9 @@ class Planner:
             host = f"{host}:{parts.port}"
         upstream_tag = blake3(upstream_bytes, key=self._secret).hexdigest(3)
         credential_tag = blake3(credential, key=self._secret).hexdigest(4)
-        return scope, f"{parts.scheme}://{host} (upstream #{upstream_tag}, credential #{credential_tag})"
+        result = scope, f"{parts.scheme}://{host} (upstream #{upstream_tag}, credential #{credential_tag})"
+        self._scopes.put((upstream, credential), result)
+        return result
 
     def read(self, request: Request, *, count: bool = True) -> Reading | Plan:
         """A Responses API request the addon may act on, read; or the plan to
@@ -365,7 +372,8 @@ class Planner:
                 self.counters.requests += 1
             return last[3]
         reading = self._read(request, count)
-        self._last_read = (request.body, (request.url, request.method), self.credential_material(request), reading)
+        if isinstance(reading, Reading):
+            self._last_read = (request.body, (request.url, request.method), reading.credential, reading)
         return reading
 
     def _read(self, request: Request, count: bool) -> Reading | Plan:
