@@ -1,14 +1,19 @@
 """The demo: emulator + mitmdump with the addon + the real openai SDK.
 
-Drives a multi-turn, tool-using conversation (half the turns streamed), then
-prints, per request, what the client sent against what reached the upstream,
-and whether the addon continued it or sent it full, and why.
+1. Forward mode: a multi-turn, tool-using conversation (half the turns
+   streamed), then, per request, what the client sent against what reached
+   the upstream, whether the addon continued it or sent it full, and why.
+2. State that outlives the process: mitmdump restarts, and the conversation's
+   next request still continues (from the SQLite store in the confdir).
+3. Store emulation: the upstream now stores nothing, and a client that keeps
+   state with previous_response_id still gets its whole context.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "addon"), str(ROOT / "tests")]
 
-from driver import Conversation, user_turns  # noqa: E402
+from driver import ChainedConversation, Conversation, user_turns  # noqa: E402
 from harness import Proxy, free_port, mitmdump_args, wait_listening  # noqa: E402
 from mitmproxy import io as flow_io  # noqa: E402
 
@@ -46,12 +51,21 @@ def main() -> None:
             made = conv.turn(text)
             turn_of_request += [(n + 1, conv.stream)] * made
         conv.close()
-        with urllib.request.urlopen(f"http://127.0.0.1:{emu_port}/_emulator/log") as r:
-            upstream = json.load(r)
+        upstream = log(emu_port)
+        proxy.stop()  # the flows file is complete
+        print_table(work, conv, upstream, turn_of_request)
+        after_restart(emu_port, work, conv)
     finally:
         proxy.stop()
         emulator.terminate()
         emulator.wait(10)
+    try:
+        emulation(work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def print_table(work: Path, conv: Conversation, upstream: list[dict], turn_of_request: list) -> None:
     with open(work / "flows", "rb") as f:
         decisions = [fl.metadata.get("stateful", {}) for fl in flow_io.FlowReader(f).stream()
                      if fl.request.path.endswith("/responses")]
@@ -77,6 +91,64 @@ def main() -> None:
           f"upstream received {totals[1]:,} bytes ({totals[1] / totals[0]:.1%} of full replay)")
     ok = all(r.get("status_code") == 200 for r in upstream)
     print("every answer reached the client:", "yes" if ok else "NO")
+
+
+def started(emu_port: int, work: Path, *extra: str) -> Proxy:
+    port = free_port()
+    proxy = Proxy(mitmdump_args(f"reverse:http://127.0.0.1:{emu_port}", port, str(work), *extra), port, str(work))
+    proxy.wait_ready()
+    return proxy
+
+
+def emulator_process() -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "stateful_responses.emulator", "--port", str(port)],
+                               cwd=ROOT / "addon", stdout=subprocess.DEVNULL)
+    wait_listening(port, process, "emulator")
+    return process, port
+
+
+def log(emu_port: int) -> list[dict]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{emu_port}/_emulator/log") as r:
+        return json.load(r)
+
+
+def after_restart(emu_port: int, work: Path, conv: Conversation) -> None:
+    """A new mitmdump on the same confdir: the next turn continues anyway."""
+    print("\n2. mitmdump restarts (same confdir, so the same SQLite store); the conversation goes on")
+    proxy = started(emu_port, work)
+    try:
+        conv = Conversation(f"http://127.0.0.1:{proxy.port}", history=list(conv.history))
+        conv.turn("one more question after the restart")
+        conv.close()
+        seen = log(emu_port)[-1]
+        print(f"   the first request after the restart: {len(conv.sent[-1].body['input'])} items from the client, "
+              f"{seen['input_items']} sent upstream ({'continued' if seen['continued'] else 'sent full'})")
+    finally:
+        proxy.stop()
+
+
+def emulation(work: Path) -> None:
+    print("\n3. the upstream stores nothing (as Ollama or llama.cpp); a client chains with previous_response_id")
+    emulator, emu_port = emulator_process()
+    control = urllib.request.Request(f"http://127.0.0.1:{emu_port}/_emulator/control",
+                                     data=json.dumps({"stateless": "reject"}).encode(), method="POST")
+    urllib.request.urlopen(control).close()
+    (work / "emulation").mkdir()
+    proxy = started(emu_port, work / "emulation", "--set", "stateful_emulate=always")
+    try:
+        conv = ChainedConversation(f"http://127.0.0.1:{proxy.port}")
+        for text in ("my name is Ada", "what did I just tell you?", "and before that?"):
+            conv.turn(text)
+        conv.close()
+        for n, (sent, seen) in enumerate(zip(conv.sent, log(emu_port), strict=True)):
+            print(f"   request {n + 1}: the client sent {len(sent.body['input'])} item(s)"
+                  f"{' + previous_response_id' if sent.body.get('previous_response_id') else ''}; "
+                  f"the upstream saw {len(seen['context'])} items, its whole chain")
+    finally:
+        proxy.stop()
+        emulator.terminate()
+        emulator.wait(10)
 
 
 if __name__ == "__main__":
