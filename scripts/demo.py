@@ -29,22 +29,21 @@ from mitmproxy import io as flow_io  # noqa: E402
 
 
 def main() -> None:
-    turns = int(os.environ.get("DEMO_TURNS", "8"))
     work = Path(tempfile.mkdtemp(prefix="stateful-demo-"))
-    emu_port, proxy_port = free_port(), free_port()
-    emulator = subprocess.Popen(
-        [sys.executable, "-m", "stateful_responses.emulator", "--port", str(emu_port)],
-        cwd=ROOT / "addon", stdout=subprocess.DEVNULL,
-    )
-    proxy = Proxy(mitmdump_args(f"reverse:http://127.0.0.1:{emu_port}", proxy_port, str(work),
-                                "-w", str(work / "flows")), proxy_port, str(work))
     try:
-        wait_listening(emu_port, emulator, "emulator")
-        proxy.wait_ready()
-        print(f"emulator on 127.0.0.1:{emu_port}, mitmdump with the addon on 127.0.0.1:{proxy_port}")
-        print(f"conversation: {turns} user turns through the openai SDK, tool calls every third turn, "
-              "odd turns streamed\n")
-        conv = Conversation(f"http://127.0.0.1:{proxy_port}")
+        forward_mode_and_restart(work, int(os.environ.get("DEMO_TURNS", "8")))
+        emulation(work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def forward_mode_and_restart(work: Path, turns: int) -> None:
+    emulator, emu_port = emulator_process()
+    proxy = started(emu_port, work, "-w", str(work / "flows"))
+    try:
+        print(f"emulator on 127.0.0.1:{emu_port}, mitmdump with the addon on 127.0.0.1:{proxy.port}")
+        print(f"1. {turns} user turns through the openai SDK, tool calls every third turn, odd turns streamed\n")
+        conv = Conversation(proxy.url)
         turn_of_request = []
         for n, text in enumerate(user_turns(turns)):
             conv.stream = n % 2 == 1
@@ -59,10 +58,6 @@ def main() -> None:
         proxy.stop()
         emulator.terminate()
         emulator.wait(10)
-    try:
-        emulation(work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def print_table(work: Path, conv: Conversation, upstream: list[dict], turn_of_request: list) -> None:
