@@ -180,7 +180,7 @@ def normalize_item(item: Any, has_nulls: bool = True) -> Any:
 
 
 def item_digest(item: Any) -> bytes:
-    return blake3(canonical_json(normalize_item(item))).digest(ITEM_DIGEST_SIZE)
+    return _digest(normalize_item(item))
 
 
 def _raw_normal_form(raw: bytes) -> Any:
@@ -198,9 +198,14 @@ def unambiguous(raw: bytes) -> bool:
     return True
 
 
+def _digest(normal: Any) -> bytes:
+    return blake3(canonical_json(normal)).digest(ITEM_DIGEST_SIZE)
+
+
 def raw_item_digest(raw: bytes) -> bytes:
-    """The digest of one item's raw JSON; Ambiguous when parsers could disagree."""
-    return blake3(canonical_json(_raw_normal_form(raw))).digest(ITEM_DIGEST_SIZE)
+    """The digest of one item's raw JSON (what the item cache keeps);
+    Ambiguous when parsers could disagree."""
+    return _digest(_raw_normal_form(raw))
 
 
 class ItemSequence:
@@ -293,7 +298,7 @@ class DigestCache:
         else:
             try:
                 normal = _raw_normal_form(raw)
-                digest = blake3(canonical_json(normal)).digest(ITEM_DIGEST_SIZE)
+                digest = _digest(normal)
             except Ambiguous:
                 digest = None
             else:

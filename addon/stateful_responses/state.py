@@ -114,9 +114,6 @@ class Marks:
                 expires = struct.unpack("!d", value)[0]
                 self._expires[(kind, scope)] = max(expires, self._expires.get((kind, scope), 0.0))
 
-    def count(self, kind: MarkKind, now: float) -> int:
-        return sum(1 for (k, _), e in self._expires.items() if k == kind and e > now)
-
     def clear(self) -> None:
         self._expires.clear()
 
