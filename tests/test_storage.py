@@ -85,6 +85,10 @@ def test_open_storage_builds_the_named_backend(tmp_path):
 
 BACKENDS = ["memory", "sqlite", "redis"]
 
+# The contract is not about speed: the default half-second fail-fast timeouts
+# flake on a busy 2-core machine. Tests about timeouts set their own.
+PATIENT = {"connect_timeout": 5.0, "timeout": 5.0}
+
 
 @pytest.fixture(params=BACKENDS)
 async def make_storage(request, tmp_path):
@@ -97,7 +101,7 @@ async def make_storage(request, tmp_path):
         elif request.param == "sqlite":
             storage = SQLiteStorage(str(tmp_path / "store.sqlite3"), limits, **options)
         else:
-            storage = RedisStorage(request.getfixturevalue("redis_server").url, limits, **options)
+            storage = RedisStorage(request.getfixturevalue("redis_server").url, limits, **{**PATIENT, **options})
         made.append(storage)
         return storage
 
@@ -458,7 +462,7 @@ async def make_redis(redis_server):
     made = []
 
     def make(url=None, **options):
-        made.append(RedisStorage(url or redis_server.url, LIMITS, **options))
+        made.append(RedisStorage(url or redis_server.url, LIMITS, **{**PATIENT, **options}))
         return made[-1]
 
     yield make
