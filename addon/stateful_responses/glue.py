@@ -12,7 +12,7 @@ import traceback
 
 from mitmproxy import ctx, http, version
 
-from .planner import Counters, Request
+from .planner import CREDENTIAL_HEADERS, Counters, Request
 
 logger = logging.getLogger("stateful_responses")
 
@@ -35,6 +35,18 @@ def end_still_to_come(response: http.Response) -> bool:
     return "content-length" not in response.headers
 
 
+def _credential_headers(fields: tuple[tuple[bytes, bytes], ...]) -> dict[str, str]:
+    """The headers the core reads, by lower-case name, in one pass over the
+    raw fields (a repeated one joined as mitmproxy joins it)."""
+    found: dict[str, str] = {}
+    for name, value in fields:
+        key = name.decode("latin-1").lower()
+        if key in CREDENTIAL_HEADERS or key == "content-encoding":
+            text = value.decode("utf-8", "surrogateescape")
+            found[key] = f"{found[key]}, {text}" if key in found else text
+    return found
+
+
 def request_of(flow: http.HTTPFlow, req: http.Request | None = None) -> Request:
     """The pure core's view of a flow's request (or of ``req``, the client's)."""
     req = req or flow.request
@@ -42,7 +54,7 @@ def request_of(flow: http.HTTPFlow, req: http.Request | None = None) -> Request:
     return Request(
         method=req.method,
         url=req.url,
-        headers=req.headers,  # case-insensitive; the planner reads a few by name
+        headers=_credential_headers(req.headers.fields),
         body=req.raw_content or b"",
         content_encoding=req.headers.get("content-encoding", ""),
         proxy_user="\x00".join(map(str, proxy_user)) if isinstance(proxy_user, tuple) else "",
