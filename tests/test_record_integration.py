@@ -210,6 +210,42 @@ def test_every_protocols_conversation_is_one_chain_with_its_tool_loop(emulator, 
     assert "Paris" not in record_file.read_text() and "21C" not in record_file.read_text()
 
 
+def _next_request(path: str, body: dict, answer: dict) -> dict:
+    """The client's second request: its history, the answer, one more user turn."""
+    if "gemini" in path:
+        return {"contents": [*body["contents"], answer["candidates"][0]["content"],
+                             {"role": "user", "parts": [{"text": "and then?"}]}]}
+    said = answer["choices"][0]["message"] if "chat" in path else {"role": "assistant", "content": answer["content"]}
+    return {**body, "messages": [*body["messages"], said, {"role": "user", "content": "and then?"}]}
+
+
+@pytest.mark.parametrize(("path", "header"), [
+    ("/v1beta/models/gemini-test:generateContent", "x-goog-api-key"),
+    ("/v1/messages", "x-api-key"),
+    ("/v1/chat/completions", "api-key"),
+])
+def test_another_tenant_resending_a_history_word_for_word_never_joins_its_chain(emulator, start_proxy, tmp_path,
+                                                                                path, header):
+    """Each protocol's own credential header keeps tenants apart in the record."""
+    record_file = tmp_path / "records.jsonl"
+    proxy = start_proxy(emulator.url, "--set", f"stateful_record_file={record_file}")
+    if "gemini" in path:
+        body = {"contents": [{"role": "user", "parts": [{"text": "same words"}]}]}
+    else:
+        body = {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "same words"}]}
+    with httpx.Client(trust_env=False, timeout=30, headers={"anthropic-version": "2023-06-01"}) as c:
+        first = c.post(proxy.url + path, json=body, headers={header: "tenant-a"})
+        assert first.status_code == 200, first.text
+        second = _next_request(path, body, first.json())
+        for key in ("tenant-a", "tenant-b"):
+            assert c.post(proxy.url + path, json=second, headers={header: key}).status_code == 200
+    wait_for_lines(record_file, 3)
+    first, same_tenant, other_tenant = (json.loads(line)["continuation"]
+                                        for line in record_file.read_text().splitlines())
+    assert same_tenant["chainId"] == first["chainId"] and same_tenant["previousTurnId"] == first["turnId"]
+    assert other_tenant["chainId"] != first["chainId"] and other_tenant["previousTurnId"] != first["turnId"]
+
+
 def test_a_request_nested_past_any_sense_is_recorded_as_such_without_an_internal_error(emulator, start_proxy):
     nested = b'{"deeper":[' * 300 + b'"bottom"' + b',1]}' * 300  # 600 levels: parsed, then too deep to walk
     body = (b'{"model":"gpt-test","input":[{"role":"user","content":"x"},'

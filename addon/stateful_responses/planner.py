@@ -45,6 +45,7 @@ CREDENTIAL_HEADERS = (
     "authorization",
     "api-key",
     "x-api-key",
+    "x-goog-api-key",
     "openai-organization",
     "openai-project",
     "proxy-authorization",
