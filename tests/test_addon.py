@@ -36,7 +36,7 @@ class Glue:
     def __init__(self, **options) -> None:
         self.addons = make_addons()
         (self.options, self.state, self.record, self.router, self.emulation, self.forward, _, _,
-         self.replays) = self.addons
+         self.replays, _) = self.addons
         self.planner = self.forward.planner
         self._options = {"stateful_store": "memory", **options}
 
@@ -261,3 +261,18 @@ async def test_clear_forgets_in_memory_and_in_the_store(tmp_path):
             await asyncio.sleep(0.01)
         assert not await addon.state.storage.scan(ENTRIES)
         assert "branches=0" in addon.tctx.master.commands.call("stateful.stats")
+
+
+def test_once_mitmproxy_runs_its_startup_objects_leave_the_collectors_passes():
+    import gc
+
+    from stateful_responses.heap import FrozenStartupHeap
+
+    startup = [["an option tree"]]  # lists are always tracked
+    assert any(o is startup for o in gc.get_objects())
+    try:
+        FrozenStartupHeap().running()
+        assert not any(o is startup for o in gc.get_objects()), "walked by no later pass"
+    finally:
+        gc.unfreeze()
+    assert any(o is startup for o in gc.get_objects())

@@ -7,6 +7,7 @@ from .continuation import ChainIndex
 from .emulation import StoreEmulation
 from .forward import ForwardMode
 from .glue import Replays
+from .heap import FrozenStartupHeap
 from .options import Options
 from .planner import Planner
 from .record import ContinuationRecord
@@ -34,4 +35,5 @@ def make_addons() -> list:
         router.answers,  # fails over after the two above learned from the failed answer
         record.answers,  # records what the client got, after every change
         replays,  # last: its collector wraps the others' taps
+        FrozenStartupHeap(),
     ]
