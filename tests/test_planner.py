@@ -327,6 +327,29 @@ def test_a_key_in_the_query_string_or_a_proxy_credential_separates_tenants():
     assert planner.plan(proxyauth_user).action == "full"
 
 
+@pytest.mark.parametrize("header", ["x-goog-api-key", "Ocp-Apim-Subscription-Key", "x-portkey-api-key",
+                                    "cf-aig-authorization", "Helicone-Auth", "x-custom-token"])
+def test_a_gateways_own_credential_header_separates_tenants(header):
+    planner, upstream = Planner(), ReferenceUpstream()
+    conv = [{"role": "user", "content": "shared words"}]
+    _, response, _ = send(planner, upstream, "k", conv, assistant_output(1))
+    later = conv + response["output"] + [{"role": "user", "content": "next"}]
+    base = request(later, "k")
+    assert planner.plan(base).action == "continue"
+    tenant_b = Request(base.method, URL, {**base.headers, header: "tenant-b"}, base.body)
+    assert planner.plan(tenant_b).action == "full"
+
+
+def test_what_names_a_request_or_a_session_is_not_a_credential():
+    planner, upstream = Planner(), ReferenceUpstream()
+    conv = [{"role": "user", "content": "shared words"}]
+    _, response, _ = send(planner, upstream, "k", conv, assistant_output(1))
+    later = request(conv + response["output"] + [{"role": "user", "content": "next"}], "k")
+    for header in ("Idempotency-Key", "x-stainless-retry-count", "session-id", "cookie", "content-type"):
+        again = Request(later.method, URL, {**later.headers, header: "a value of its own"}, later.body)
+        assert planner.plan(again).action == "continue", header
+
+
 def test_a_credential_in_the_upstream_path_never_reaches_the_scope_label():
     planner = Planner()
     url = "https://user:pw@gw.example.test:8443/key/sk-path-secret/v1/responses"

@@ -12,7 +12,7 @@ import traceback
 
 from mitmproxy import ctx, http, version
 
-from .planner import CREDENTIAL_HEADERS, Counters, Request
+from .planner import Counters, Request, is_credential_header
 
 logger = logging.getLogger("stateful_responses")
 
@@ -41,7 +41,7 @@ def _credential_headers(fields: tuple[tuple[bytes, bytes], ...]) -> dict[str, st
     found: dict[str, str] = {}
     for name, value in fields:
         key = name.decode("latin-1").lower()
-        if key in CREDENTIAL_HEADERS or key == "content-encoding":
+        if key == "content-encoding" or is_credential_header(key):
             text = value.decode("utf-8", "surrogateescape")
             found[key] = f"{found[key]}, {text}" if key in found else text
     return found

@@ -45,11 +45,23 @@ CREDENTIAL_HEADERS = (
     "authorization",
     "api-key",
     "x-api-key",
-    "x-goog-api-key",
     "openai-organization",
     "openai-project",
     "proxy-authorization",
 )
+# Other APIs and gateways name their keys as they like (Gemini's x-goog-api-key,
+# Azure API Management's Ocp-Apim-Subscription-Key, Portkey's x-portkey-api-key,
+# Cloudflare AI Gateway's cf-aig-authorization, Helicone-Auth): a header named
+# like a credential is one. An idempotency key names a request, not a tenant;
+# cookies are left out (services rotate theirs, Cloudflare's every 30 minutes,
+# and a chain recorded under one would be lost under the next).
+_NAMED_LIKE_A_CREDENTIAL = re.compile(r"auth|key|token|secret|password|subscription")
+
+
+def is_credential_header(name: str) -> bool:
+    """Whether a header (its lower-case name) is credential material."""
+    return name in CREDENTIAL_HEADERS or (
+        _NAMED_LIKE_A_CREDENTIAL.search(name) is not None and "idempotency" not in name)
 
 
 @dataclass(frozen=True)
@@ -331,8 +343,11 @@ class Planner:
         """Whatever decides whose stored responses a request can reach: the
         credential headers, the URL's query string, and the user mitmproxy's
         proxyauth let in (it removes Proxy-Authorization before addons run)."""
-        parts = [request.headers.get(n, "") for n in CREDENTIAL_HEADERS]
+        headers = request.headers
+        parts = [headers.get(n, "") for n in CREDENTIAL_HEADERS]
         parts += [urlsplit(request.url).query, request.proxy_user]
+        parts += sorted(f"{name.lower()}: {value}" for name, value in headers.items()
+                        if name.lower() not in CREDENTIAL_HEADERS and is_credential_header(name.lower()))
         return "\x00".join(parts).encode("utf-8", "surrogatepass")
 
     def scope(self, upstream: str, credential: bytes) -> tuple[str, str]:
