@@ -312,17 +312,26 @@ def test_a_forced_store_counts_as_refused_only_when_the_original_then_went_throu
     assert planner.plan(request(conv, "other-tenant")).forced_store
 
 
-def test_a_key_in_the_query_string_or_a_proxy_credential_separates_tenants():
+def a_continuing_request() -> tuple[Planner, Request]:
+    """A planner that stored one answer for credential "k", and k's next
+    request, which continues from it."""
     planner, upstream = Planner(), ReferenceUpstream()
     conv = [{"role": "user", "content": "shared words"}]
     _, response, _ = send(planner, upstream, "k", conv, assistant_output(1))
-    later = conv + response["output"] + [{"role": "user", "content": "next"}]
-    base = request(later, "k")
+    base = request(conv + response["output"] + [{"role": "user", "content": "next"}], "k")
     assert planner.plan(base).action == "continue"
+    return planner, base
+
+
+def with_header(base: Request, name: str, value: str) -> Request:
+    return Request(base.method, URL, {**base.headers, name: value}, base.body)
+
+
+def test_a_key_in_the_query_string_or_a_proxy_credential_separates_tenants():
+    planner, base = a_continuing_request()
     other_query = Request(base.method, URL + "?key=tenant-b", base.headers, base.body)
     assert planner.plan(other_query).action == "full"
-    other_proxy_user = Request(base.method, URL, {**base.headers, "proxy-authorization": "Basic Yjpi"}, base.body)
-    assert planner.plan(other_proxy_user).action == "full"
+    assert planner.plan(with_header(base, "proxy-authorization", "Basic Yjpi")).action == "full"
     proxyauth_user = Request(base.method, URL, base.headers, base.body, proxy_user="alice\x00secret")
     assert planner.plan(proxyauth_user).action == "full"
 
@@ -330,24 +339,14 @@ def test_a_key_in_the_query_string_or_a_proxy_credential_separates_tenants():
 @pytest.mark.parametrize("header", ["x-goog-api-key", "Ocp-Apim-Subscription-Key", "x-portkey-api-key",
                                     "cf-aig-authorization", "Helicone-Auth", "x-custom-token"])
 def test_a_gateways_own_credential_header_separates_tenants(header):
-    planner, upstream = Planner(), ReferenceUpstream()
-    conv = [{"role": "user", "content": "shared words"}]
-    _, response, _ = send(planner, upstream, "k", conv, assistant_output(1))
-    later = conv + response["output"] + [{"role": "user", "content": "next"}]
-    base = request(later, "k")
-    assert planner.plan(base).action == "continue"
-    tenant_b = Request(base.method, URL, {**base.headers, header: "tenant-b"}, base.body)
-    assert planner.plan(tenant_b).action == "full"
+    planner, base = a_continuing_request()
+    assert planner.plan(with_header(base, header, "tenant-b")).action == "full"
 
 
 def test_what_names_a_request_or_a_session_is_not_a_credential():
-    planner, upstream = Planner(), ReferenceUpstream()
-    conv = [{"role": "user", "content": "shared words"}]
-    _, response, _ = send(planner, upstream, "k", conv, assistant_output(1))
-    later = request(conv + response["output"] + [{"role": "user", "content": "next"}], "k")
+    planner, base = a_continuing_request()
     for header in ("Idempotency-Key", "x-stainless-retry-count", "session-id", "cookie", "content-type"):
-        again = Request(later.method, URL, {**later.headers, header: "a value of its own"}, later.body)
-        assert planner.plan(again).action == "continue", header
+        assert planner.plan(with_header(base, header, "a value of its own")).action == "continue", header
 
 
 def test_a_credential_in_the_upstream_path_never_reaches_the_scope_label():
