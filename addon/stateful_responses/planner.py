@@ -218,9 +218,8 @@ def _unambiguous_top_level(original: bytes, body: dict[str, msgspec.Raw]) -> boo
         if raw is None or key in seen:
             return False
         seen.add(key)
-        value = bytes(raw)
-        end = key_match.end() + len(value)
-        if not original.startswith(value, key_match.end()):
+        end = key_match.end() + len(raw)
+        if not original.startswith(raw, key_match.end()):  # compared in place: the input may be megabytes
             return False
         after = _AFTER_VALUE.match(original, end)
         if after is None:
