@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from protocols_support import lift, lift_answer, sse_bytes
 from stateful_responses.emulator import sse_events
 from stateful_responses.items import normalize_item
-from stateful_responses.protocols import AnswerLifter, detect, lift_request
+from stateful_responses.planner import Planner, Reading, Request
+from stateful_responses.protocols import AnswerLifter, detect, lift_request, responses
 
 URL = "https://api.openai.com/v1/responses"
 OUTPUT = [
@@ -90,3 +93,34 @@ def test_error_event_and_error_body_are_failed_answers():
     streamed = lift_answer("openai-responses", sse_bytes([("error", {"type": "error", "code": "server_error"})]), sse=True)
     whole = lift_answer("openai-responses", b'{"error": {"message": "nope", "type": "invalid_request_error"}}', sse=False)
     assert (streamed.status, streamed.messages) == (whole.status, whole.messages) == ("failed", [])
+
+
+_ITEM_KINDS = st.sampled_from([
+    {"role": "user", "content": "a question"},
+    {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "an answer"}]},
+    {"role": "assistant", "content": "an easy answer", "type": None},
+    {"type": "reasoning", "id": "rs_1", "summary": []},
+    {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+    {"type": "custom_tool_call", "call_id": "call_2", "name": "patch", "input": "x"},
+    {"type": "function_call", "call_id": 7, "name": None, "arguments": "{}"},
+    {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    {"type": "function_call_output", "call_id": "call_1", "output": [{"type": "input_text", "text": "21C"}]},
+    {"type": "custom_tool_call_output", "call_id": "call_2", "output": "done", "id": None},
+    {"type": "function_call_output", "call_id": None, "output": "orphan"},
+    {"type": "item_reference", "id": "msg_9"},
+    {"id": "msg_8"},
+])
+
+
+@given(st.lists(_ITEM_KINDS, max_size=8))
+def test_lifting_from_the_planners_reading_equals_lifting_the_body(items):
+    """The record lifts a Responses request from the planner's raw spans
+    (only the tail's shapes read); the result is the full lift's."""
+    doc = {"model": "m", "instructions": "Be brief.", "input": items}
+    body = json.dumps(doc).encode()
+    reading = Planner().read(Request("POST", URL, {"authorization": "Bearer k"}, body))
+    assert isinstance(reading, Reading)
+    fast = responses.lift_read({"model": "m", "instructions": "Be brief."}, reading.raw_items, reading.digests)
+    full = lift("openai-responses", URL, body)
+    assert fast.submitted_tool_results == full.submitted_tool_results
+    assert (fast.model, fast.system, fast.audit) == (full.model, full.system, full.audit)

@@ -162,7 +162,7 @@ class ForwardMode:
             return  # planned while streamed, or streamed past the addon
         await self.state.ready()
         try:
-            client = flow.request.copy()
+            client = flow.request  # unchanged until the end: _plan copies it only if it will be
             body = self._plan(flow, client)
             pending = self._pending.get(flow.id)
             if pending is not None and (refs := self.planner.unresolved_references(pending.plan)):
@@ -214,9 +214,11 @@ class ForwardMode:
             if plan.watched:
                 self._remember(flow.id, _Pending(plan, None))
             return None
+        kept = None
         if plan.body is not None:
             flow.metadata.setdefault(CLIENT_BODY, client_body)  # store emulation may have set the client's own
-        self._remember(flow.id, _Pending(plan, original if plan.body is not None else None))
+            kept = original.copy() if original is flow.request else original  # for a retry, before it changes
+        self._remember(flow.id, _Pending(plan, kept))
         if plan.action == "continue":
             self._debug(
                 "rewritten %s: %d items, %d new, previous %s",

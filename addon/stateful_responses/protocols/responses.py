@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from ..items import as_item_list, normalize_item
 from ..sse import RESPONSE_EVENTS, TERMINAL_EVENTS
 from .common import Audit, LiftedAnswer, LiftedRequest, Status, ToolResult, parse_json, tool_result
@@ -77,14 +79,37 @@ def lift_request(url: str, doc: Any) -> LiftedRequest | None:
     return _lifted(doc, [normalize_item(i) for i in items], _submitted_tool_results(items), None)
 
 
+class _Shape(msgspec.Struct):
+    """What tells items apart and pairs calls with results."""
+
+    type: Any = None
+    role: Any = None
+    call_id: Any = None
+    name: Any = None
+
+
+_SHAPE = msgspec.json.Decoder(_Shape)
+
+
+def _shape_of(raw: bytes) -> dict:
+    """An item read as far as ``_submitted_tool_results`` needs: a tool's
+    output whole, anything else only its shape (the rest of a user message,
+    which may be megabytes, is skipped unparsed)."""
+    shape = _SHAPE.decode(raw)
+    if isinstance(shape.type, str) and shape.type.endswith("_call_output"):
+        return parse_json(raw)
+    return {k: v for k, v in msgspec.structs.asdict(shape).items() if v is not None}
+
+
 def lift_read(doc: dict, raw_items: list[bytes], digests: list[bytes]) -> LiftedRequest:
     """The same lift from a request the planner has already read: its small
-    fields in ``doc``, its items as raw spans with their digests. Only the
-    items after the last model item are parsed (the tool results it submits),
-    so recording costs next to nothing on top of planning."""
+    fields in ``doc``, its items as raw spans (strictly read objects) with
+    their digests. Only the items after the last model item are read (the
+    tool results it submits), so recording costs next to nothing on top of
+    planning."""
     tail: list[Any] = []  # the submitted results, and the model's calls before them (their names)
     for raw in reversed(raw_items):
-        item = parse_json(raw)
+        item = _shape_of(raw)
         if tail and _is_model_item(tail[-1]) and not _is_model_item(item):
             break
         tail.append(item)
