@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from blake3 import blake3
 from hypothesis import given
 from hypothesis import strategies as st
 from stateful_responses.items import (
+    SEQUENCE_DIGEST_SIZE,
     Ambiguous,
     DigestCache,
+    ItemSequence,
     item_digest,
     normalize_item,
     raw_item_digest,
@@ -160,3 +163,28 @@ def test_normal_form_is_stable_and_idempotent(item):
     once = normalize_item(item)
     assert json.loads(json.dumps(once)) == once
     assert item_digest(item) == item_digest(json.loads(json.dumps(item)))
+
+
+def rolling_digests(root: bytes, items: list[bytes]) -> list[bytes]:
+    """The definition: blake3 of the root and the first k item digests."""
+    return [blake3(root + b"".join(items[:k])).digest(SEQUENCE_DIGEST_SIZE) for k in range(1, len(items) + 1)]
+
+
+@given(st.binary(max_size=40), st.lists(st.binary(min_size=16, max_size=16), max_size=12),
+       st.lists(st.one_of(st.integers(-14, 13), st.tuples(st.integers(-14, 14), st.integers(-14, 14))), max_size=12),
+       st.lists(st.binary(min_size=16, max_size=16), max_size=3))
+def test_prefix_digests_asked_in_any_order_are_the_rolling_digests(root, items, questions, more):
+    sequence = ItemSequence(root, items)
+    expected = rolling_digests(root, items)
+    for question in questions:
+        if isinstance(question, tuple):
+            assert sequence.digests[question[0]:question[1]] == expected[question[0]:question[1]]
+        elif -len(items) <= question < len(items):
+            assert sequence.digests[question] == expected[question]
+        else:
+            with pytest.raises(IndexError):
+                sequence.digests[question]
+    assert len(sequence.digests) == len(items) and list(sequence.digests) == expected
+    longer = sequence.extended(more)
+    assert list(longer.digests) == rolling_digests(root, items + more)
+    assert list(sequence.digests) == expected  # the original is unchanged

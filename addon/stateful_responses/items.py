@@ -37,9 +37,10 @@ never changes a body holding one (issue 17).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from decimal import Decimal
-from typing import Any
+from itertools import accumulate
+from typing import Any, overload
 
 import msgspec
 from blake3 import blake3
@@ -212,30 +213,78 @@ class ItemSequence:
     """Rolling digests of an item sequence under a namespace root.
 
     ``digests[k - 1]`` names the first k items: blake3 over the root and the
-    fixed-size item digests, read off one incremental hasher. One digest names
-    a whole sequence, so the prefix store keeps one small entry per stored
-    response instead of one per item, and the state can be extended later by
-    the answer's output items.
+    fixed-size item digests of those items. One digest names a whole
+    sequence, so the prefix store keeps one small entry per stored response
+    instead of one per item, and the state can be extended later by the
+    answer's output items.
     """
 
     def __init__(self, root: bytes, digests: Iterable[bytes] = ()) -> None:
-        self._hasher = blake3(root)
-        self.digests: list[bytes] = []
-        self.extend(digests)
-
-    def extend(self, digests: Iterable[bytes]) -> None:
-        update, digest, out = self._hasher.update, self._hasher.digest, self.digests.append
-        for d in digests:
-            update(d)
-            out(digest(SEQUENCE_DIGEST_SIZE))
+        self.root = root
+        self.items = list(digests)
+        self.digests = Prefixes(root, self.items)
 
     def extended(self, digests: Iterable[bytes]) -> ItemSequence:
         """A copy with more items; this one is unchanged."""
-        other = ItemSequence.__new__(ItemSequence)
-        other._hasher = self._hasher.copy()
-        other.digests = list(self.digests)
-        other.extend(digests)
-        return other
+        return ItemSequence(self.root, [*self.items, *digests])
+
+
+class Prefixes(Sequence[bytes]):
+    """The prefix digests of a sequence, each computed when first asked for.
+
+    A request is continued from one of its longest prefixes, so the few asked
+    for are hashed at once (root and item digests in one call); the first
+    question past ``EAGER_AFTER`` computes them all in one incremental pass,
+    so asking for every prefix costs no more than computing them up front.
+    """
+
+    EAGER_AFTER = 4
+
+    def __init__(self, root: bytes, items: list[bytes]) -> None:
+        self._root = root
+        self._items = items
+        self._joined: bytes | None = None
+        self._ends: list[int] = []
+        self._asked: dict[int, bytes] = {}
+        self._all: list[bytes] | None = None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[bytes]: ...
+
+    def __getitem__(self, index: int | slice) -> bytes | list[bytes]:
+        if isinstance(index, slice) or self._all is not None:
+            return self._every()[index]
+        k = index + len(self._items) if index < 0 else index
+        if not 0 <= k < len(self._items):
+            raise IndexError(index)
+        digest = self._asked.get(k)
+        if digest is None:
+            if len(self._asked) >= self.EAGER_AFTER:
+                return self._every()[k]
+            if self._joined is None:
+                self._joined = b"".join(self._items)
+                self._ends = list(accumulate(map(len, self._items)))
+            hasher = blake3(self._root)
+            hasher.update(memoryview(self._joined)[: self._ends[k]])
+            digest = self._asked[k] = hasher.digest(SEQUENCE_DIGEST_SIZE)
+        return digest
+
+    def _every(self) -> list[bytes]:
+        if self._all is None:
+            hasher = blake3(self._root)
+            update, digest = hasher.update, hasher.digest
+            every = []
+            for item in self._items:
+                update(item)
+                every.append(digest(SEQUENCE_DIGEST_SIZE))
+            self._all = every
+        return self._all
 
 
 def as_item_list(value: Any) -> list | None:
