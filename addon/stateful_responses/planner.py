@@ -210,8 +210,9 @@ def _unambiguous_top_level(original: bytes, body: dict[str, msgspec.Raw]) -> boo
         key_match = _KEY.match(original, pos)
         if key_match is None:
             return False
-        try:
-            key = json.loads(b'"' + key_match.group(1) + b'"')
+        written = key_match.group(1)
+        try:  # a key without escapes is its own UTF-8 (msgspec has checked the rest)
+            key = json.loads(b'"' + written + b'"') if b"\\" in written else written.decode()
         except ValueError:
             return False
         raw = body.get(key)
