@@ -3,11 +3,16 @@ reassembled the way openai-python's stream helper does."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from openai.lib.streaming._deltas import accumulate_delta as sdk_accumulate_delta
 from protocols_support import lift, lift_answer, sse_bytes
 from stateful_responses.protocols import AnswerLifter, detect, lift_request
+from stateful_responses.protocols.chat import accumulate_delta
 
 URL = "https://api.openai.com/v1/chat/completions"
 
@@ -138,3 +143,38 @@ def test_a_stream_the_sdk_cannot_accumulate_lifts_to_none():
     first = chunk({"tool_calls": [{"index": 0, "id": "call_a", "function": {"name": "f", "arguments": "{"}}]})
     broken = chunk({"tool_calls": [{"function": {"arguments": "}"}}]})  # a fragment without its index
     assert lift_answer("openai-chat", sse_bytes([first, broken]), sse=True) is None
+
+
+_FRAGMENT = st.fixed_dictionaries({}, optional={
+    "index": st.one_of(st.integers(-3, 3), st.just("0")),
+    "id": st.sampled_from(["call_a", "call_b"]),
+    "type": st.just("function"),
+    "function": st.fixed_dictionaries({}, optional={"name": st.sampled_from(["f", "g"]),
+                                                    "arguments": st.sampled_from(["{", "}", "\"x\": 1"])}),
+})
+_DELTA = st.fixed_dictionaries({}, optional={
+    "role": st.just("assistant"),
+    "content": st.one_of(st.none(), st.sampled_from(["a", "b"])),
+    "refusal": st.none(),
+    "tool_calls": st.lists(st.one_of(_FRAGMENT, st.just("not an object")), max_size=3),
+    "logprobs": st.one_of(st.none(), st.fixed_dictionaries({"content": st.lists(st.integers(0, 2), max_size=2)})),
+})
+
+
+@given(st.lists(_DELTA, max_size=5))
+def test_deltas_accumulate_as_openai_python_accumulates_them(deltas):
+    """Our port of the SDK's accumulator: the same message, or an error where
+    the SDK raises one (its client then gets no message)."""
+    ours: dict = {}
+    theirs: dict = {}
+    try:
+        for delta in deltas:
+            theirs = sdk_accumulate_delta(theirs, copy.deepcopy(delta))
+    except Exception:  # noqa: BLE001 (whatever the SDK raises, the client gets no message)
+        with pytest.raises(TypeError):
+            for delta in deltas:
+                ours = accumulate_delta(ours, copy.deepcopy(delta))
+        return
+    for delta in deltas:
+        ours = accumulate_delta(ours, copy.deepcopy(delta))
+    assert ours == theirs

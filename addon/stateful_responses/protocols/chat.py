@@ -180,12 +180,14 @@ def accumulate_delta(acc: dict, delta: dict) -> dict:
                 index = entry.get("index") if isinstance(entry, dict) else None
                 if not isinstance(index, int):
                     raise TypeError("a list delta entry without an integer index")
-                if index < len(acc_value):
-                    if not isinstance(acc_value[index], dict):
-                        raise TypeError("a list delta entry merged into a non-object")
-                    acc_value[index] = accumulate_delta(acc_value[index], entry)
-                else:
+                try:  # a negative index counts from the end, as in openai-python
+                    acc_entry = acc_value[index]
+                except IndexError:
                     acc_value.insert(index, entry)
+                else:
+                    if not isinstance(acc_entry, dict):
+                        raise TypeError("a list delta entry merged into a non-object")
+                    acc_value[index] = accumulate_delta(acc_entry, entry)
         acc[key] = acc_value
     return acc
 
