@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from protocols_support import lift, lift_answer, sse_bytes
 from stateful_responses.emulator import sse_events
@@ -112,7 +112,14 @@ _ITEM_KINDS = st.sampled_from([
 ])
 
 
+@settings(max_examples=300)
 @given(st.lists(_ITEM_KINDS, max_size=8))
+@example([  # a result whose call came before the model's last turn (found by CI)
+    {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+    {"role": "user", "content": "a question"},
+    {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "an answer"}]},
+    {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+])
 def test_lifting_from_the_planners_reading_equals_lifting_the_body(items):
     """The record lifts a Responses request from the planner's raw spans
     (only the tail's shapes read); the result is the full lift's."""

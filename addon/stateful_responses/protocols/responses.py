@@ -8,6 +8,7 @@ items (openai-python passes the objects or their ``model_dump()``), and
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any
 
 import msgspec
@@ -104,17 +105,27 @@ def _shape_of(raw: bytes) -> dict:
 def lift_read(doc: dict, raw_items: list[bytes], digests: list[bytes]) -> LiftedRequest:
     """The same lift from a request the planner has already read: its small
     fields in ``doc``, its items as raw spans (strictly read objects) with
-    their digests. Only the items after the last model item are read (the
-    tool results it submits), so recording costs next to nothing on top of
-    planning."""
-    tail: list[Any] = []  # the submitted results, and the model's calls before them (their names)
-    for raw in reversed(raw_items):
-        item = _shape_of(raw)
-        if tail and _is_model_item(tail[-1]) and not _is_model_item(item):
+    their digests. Items are read from the newest back, and only as far as
+    the results this request submits and the calls that name them, so
+    recording costs next to nothing on top of planning."""
+    shapes = map(_shape_of, reversed(raw_items))  # newest first, each read once
+    tail: list[Any] = []  # the submitted results and the model's last turn, oldest first
+    for item in shapes:
+        if tail and _is_model_item(tail[0]) and not _is_model_item(item):
+            shapes = chain([item], shapes)
             break
-        tail.append(item)
-    tail.reverse()
-    return _lifted(doc, [], _submitted_tool_results(tail), digests)
+        tail.insert(0, item)
+    submitted = _submitted_tool_results(tail)
+    unnamed = {result.call_id for result in submitted if result.name is None}
+    if unnamed:  # a call made before the model's last turn: read back to it
+        for item in shapes:
+            tail.insert(0, item)
+            if isinstance(item.get("name"), str):
+                unnamed.discard(item.get("call_id"))
+            if not unnamed:
+                break
+        submitted = _submitted_tool_results(tail)
+    return _lifted(doc, [], submitted, digests)
 
 
 def _lifted(doc: dict, messages: list, submitted: list[ToolResult], digests: list[bytes] | None) -> LiftedRequest:
