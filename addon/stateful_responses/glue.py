@@ -35,9 +35,10 @@ def end_still_to_come(response: http.Response) -> bool:
     return "content-length" not in response.headers
 
 
-def _credential_headers(fields: tuple[tuple[bytes, bytes], ...]) -> dict[str, str]:
-    """The headers the core reads, by lower-case name, in one pass over the
-    raw fields (a repeated one joined as mitmproxy joins it)."""
+def _headers_read(fields: tuple[tuple[bytes, bytes], ...]) -> dict[str, str]:
+    """The headers the core reads (the credentials and content-encoding), by
+    lower-case name, in one pass over the raw fields (a repeated one joined
+    as mitmproxy joins it)."""
     found: dict[str, str] = {}
     for name, value in fields:
         key = name.decode("latin-1").lower()
@@ -51,12 +52,13 @@ def request_of(flow: http.HTTPFlow, req: http.Request | None = None) -> Request:
     """The pure core's view of a flow's request (or of ``req``, the client's)."""
     req = req or flow.request
     proxy_user = flow.metadata.get("proxyauth")
+    headers = _headers_read(req.headers.fields)
     return Request(
         method=req.method,
         url=req.url,
-        headers=_credential_headers(req.headers.fields),
         body=req.raw_content or b"",
-        content_encoding=req.headers.get("content-encoding", ""),
+        content_encoding=headers.pop("content-encoding", ""),
+        headers=headers,
         proxy_user="\x00".join(map(str, proxy_user)) if isinstance(proxy_user, tuple) else "",
     )
 
