@@ -27,7 +27,7 @@ from blake3 import blake3
 
 from .items import Ambiguous, ItemSequence, canonical_json
 from .protocols import AuditEntry, LiftedAnswer, LiftedRequest
-from .state import Bounded, Write
+from .state import Bounded, Outbox, Write
 
 CHAIN_TURNS = "chain-turns"  # digest of a turn's messages + answer -> TurnRef
 CHAIN_RESPONSES = "chain-responses"  # a response id, per credential -> TurnRef
@@ -144,11 +144,10 @@ class ChainIndex:
     turns: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)  # digest -> TurnRef
     responses: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)  # key -> TurnRef
     tips: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)  # chain id -> turn id
-    _outbox: list[Write] = field(default_factory=list, repr=False)
+    _outbox: Outbox = field(default_factory=Outbox, repr=False)
 
     def take_writes(self) -> list[Write]:
-        writes, self._outbox = self._outbox, []
-        return writes
+        return self._outbox.take()
 
     def clear(self) -> None:
         self.turns.clear()

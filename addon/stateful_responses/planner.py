@@ -29,6 +29,7 @@ from .state import (
     Bounded,
     MarkKind,
     Marks,
+    Outbox,
     StoredEntry,
     Write,
     encode_entry,
@@ -273,7 +274,7 @@ class Planner:
     background: Bounded = field(default_factory=lambda: Bounded(4096), repr=False)
     clock: Callable[[], float] = field(default=time.time, repr=False)
     _secret: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
-    _outbox: list[Write] = field(default_factory=list, repr=False)
+    _outbox: Outbox = field(default_factory=Outbox, repr=False)
     _last_read: tuple | None = field(default=None, repr=False)
     _checked_fields: Bounded = field(default_factory=lambda: Bounded(1024), repr=False)  # raw value -> verdict
     _scopes: Bounded = field(default_factory=lambda: Bounded(1024), repr=False)  # (upstream, credential) -> scope
@@ -306,8 +307,7 @@ class Planner:
 
     def take_writes(self) -> list[Write]:
         """What must reach the backing store, oldest first (the outbox empties)."""
-        writes, self._outbox = self._outbox, []
-        return writes
+        return self._outbox.take()
 
     @property
     def ttl(self) -> float:

@@ -18,7 +18,7 @@ from blake3 import blake3
 
 from .chain import ChainError, Link, walk
 from .items import canonical_json
-from .state import Bounded, Write
+from .state import Bounded, Outbox, Write
 from .turns import ITEMS, TURNS, Tenant, TurnBody, TurnHeader
 
 GetRecords = Callable[[str, Sequence[bytes]], Awaitable[Mapping[bytes, bytes]]]
@@ -55,11 +55,10 @@ class Recorder:
     # (tenant, response id) -> (chain depth, the chain's item keys): an agent
     # loop's next turn is expanded without walking its chain again.
     contexts: Bounded = field(default_factory=lambda: Bounded(64), repr=False)
-    _outbox: list[Write] = field(default_factory=list, repr=False)
+    _outbox: Outbox = field(default_factory=Outbox, repr=False)
 
     def take_writes(self) -> list[Write]:
-        writes, self._outbox = self._outbox, []
-        return writes
+        return self._outbox.take()
 
     def clear(self) -> None:
         self.turns.clear()

@@ -57,6 +57,24 @@ class Write:
     label: str = ""  # what to name in a warning about it (an id, never content)
 
 
+class Outbox:
+    """Writes waiting for the backing store, oldest first, until the glue
+    takes them all."""
+
+    def __init__(self) -> None:
+        self._writes: list[Write] = []
+
+    def append(self, write: Write) -> None:
+        self._writes.append(write)
+
+    def take(self) -> list[Write]:
+        writes, self._writes = self._writes, []
+        return writes
+
+    def clear(self) -> None:
+        self._writes.clear()
+
+
 class StoredEntry(msgspec.Struct, array_like=True, frozen=True):
     """A prefix-store entry as stored: which response stores a sequence."""
 
