@@ -90,9 +90,8 @@ def print_table(work: Path, conv: Conversation, upstream: list[dict], turn_of_re
 
 def started(emu_port: int, work: Path, *extra: str) -> Proxy:
     port = free_port()
-    proxy = Proxy(mitmdump_args(f"reverse:http://127.0.0.1:{emu_port}", port, str(work), *extra), port, str(work))
-    proxy.wait_ready()
-    return proxy
+    args = mitmdump_args(f"reverse:http://127.0.0.1:{emu_port}", port, str(work), *extra)
+    return Proxy(args, port, str(work)).ready()
 
 
 def emulator_process() -> tuple[subprocess.Popen, int]:

@@ -80,8 +80,14 @@ class Proxy:
         self._log.flush()
         return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = 30) -> None:
-        wait_listening(self.port, self.process, "mitmdump", self.output, timeout)
+    def ready(self, timeout: float = 30) -> Proxy:
+        """This proxy once it listens; stopped (its output kept) if it never does."""
+        try:
+            wait_listening(self.port, self.process, "mitmdump", self.output, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
 
     def kill(self) -> str:
         """``kill -9``: no clean shutdown at all."""
@@ -116,11 +122,5 @@ def start_mitmdump(upstream: str, *extra: str, mode: str | None = None, script: 
     owns = confdir is None
     confdir = confdir or tempfile.mkdtemp(prefix="mitm-")
     port = port or free_port()
-    proxy = Proxy(mitmdump_args(mode or f"reverse:{upstream}", port, confdir, *extra, script=script),
-                  port, confdir, owns_confdir=owns, preexec_fn=preexec_fn)
-    try:
-        proxy.wait_ready()
-    except BaseException:
-        proxy.stop()
-        raise
-    return proxy
+    return Proxy(mitmdump_args(mode or f"reverse:{upstream}", port, confdir, *extra, script=script),
+                 port, confdir, owns_confdir=owns, preexec_fn=preexec_fn).ready()

@@ -90,22 +90,13 @@ def continues(proxy: Proxy, emulator) -> None:
     assert last["previous_response_id"] is not None and last["input_items"] == 1, last
 
 
-def started(args: list[str], port: int, confdir: Path) -> Proxy:
-    proxy = Proxy(args, port, str(confdir))
-    try:
-        proxy.wait_ready()
-    except BaseException:
-        proxy.stop()
-        raise
-    return proxy
-
-
 def test_mitmdump_loads_the_script_the_command_names(installed, emulator, tmp_path):
     script = Path(run(installed.command, "--script").stdout.strip())
     assert script.is_file() and script.is_relative_to(installed.site_packages), script
     port = free_port()
     args = mitmdump_args(f"reverse:{emulator.url}", port, str(tmp_path), script=False)
-    proxy = started([str(installed.python), "-c", RUN_MITMDUMP, *args[1:], "-s", str(script)], port, tmp_path)
+    command = [str(installed.python), "-c", RUN_MITMDUMP, *args[1:], "-s", str(script)]
+    proxy = Proxy(command, port, str(tmp_path)).ready()
     try:
         continues(proxy, emulator)
     finally:
@@ -115,8 +106,8 @@ def test_mitmdump_loads_the_script_the_command_names(installed, emulator, tmp_pa
 
 def test_the_command_runs_a_reverse_proxy_with_the_addon(installed, emulator, tmp_path):
     port = free_port()
-    proxy = started([str(installed.command), emulator.url, "--listen-host", "127.0.0.1", "--listen-port", str(port),
-                     "--set", f"confdir={tmp_path}", "--set", "stateful_debug=true"], port, tmp_path)
+    proxy = Proxy([str(installed.command), emulator.url, "--listen-host", "127.0.0.1", "--listen-port", str(port),
+                   "--set", f"confdir={tmp_path}", "--set", "stateful_debug=true"], port, str(tmp_path)).ready()
     try:
         continues(proxy, emulator)
     finally:

@@ -34,9 +34,8 @@ def mitmweb(emulator):
         args += ["--set", f"web_columns={column}"]
     if "web_password" in subprocess.run([binary, "--options"], capture_output=True, text=True).stdout:
         args += ["--set", f"web_password={TOKEN}"]  # mitmweb 12 asks for a token
-    proxy = Proxy(args, port, confdir, owns_confdir=True)
+    proxy = Proxy(args, port, confdir, owns_confdir=True).ready()
     try:
-        proxy.wait_ready()
         yield proxy, f"http://127.0.0.1:{web_port}/?token={TOKEN}"
     finally:
         proxy.stop()
