@@ -204,3 +204,31 @@ def recording_clients(sent: list[Sent]):
 
     return (httpx.Client(event_hooks={"request": [record]}, trust_env=False, timeout=30),
             httpx.AsyncClient(event_hooks={"request": [arecord]}, trust_env=False, timeout=30))
+
+
+def weather_agent(agents: Any, proxy_url: str, http: Any) -> tuple[Any, openai.AsyncOpenAI]:
+    """An openai-agents Agent with one function tool, and the openai client it
+    talks to the proxy through (over ``http``); tracing is off, as it would
+    export to the network. ``agents`` is the imported package."""
+    agents.set_tracing_disabled(True)
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Weather for a city."""
+        return f"{city}: 21C"
+
+    client = openai.AsyncOpenAI(base_url=proxy_url + "/v1", api_key="sk-a", http_client=http, max_retries=0)
+    agent = agents.Agent(name="assistant", instructions="Be terse.", tools=[get_weather],
+                         model=agents.OpenAIResponsesModel(model="gpt-test", openai_client=client))
+    return agent, client
+
+
+async def tenant_of(storage: Any, key: str) -> Any:
+    """The tenant a client sending ``Authorization: Bearer key`` is in, in an
+    open store, derived as the proxy derives it."""
+    from stateful_responses.planner import Planner, Request
+    from stateful_responses.turns import Tenant
+
+    credential = Planner.credential_material(Request("POST", "http://x/v1/responses",
+                                                     {"authorization": f"Bearer {key}"}, b""))
+    return Tenant.of(await storage.secret(), credential)

@@ -8,7 +8,7 @@ import json
 
 import openai
 import pytest
-from driver import TOOLS, Conversation, assert_context_preserved, recording_clients, user_turns
+from driver import TOOLS, Conversation, assert_context_preserved, recording_clients, user_turns, weather_agent
 
 MIN_RATE = 0.9
 
@@ -58,20 +58,11 @@ def test_openai_async_sdk(proxy, emulator, stream, request):
 
 def test_openai_agents_runner(proxy, emulator, request):
     agents = pytest.importorskip("agents")
-    agents.set_tracing_disabled(True)  # tracing would export to the network
-
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """Weather for a city."""
-        return f"{city}: 21C"
-
     sent: list = []
     _, http = recording_clients(sent)
 
     async def run() -> None:
-        client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="sk-a", http_client=http, max_retries=0)
-        agent = agents.Agent(name="assistant", instructions="Be terse.", tools=[get_weather],
-                             model=agents.OpenAIResponsesModel(model="gpt-test", openai_client=client))
+        agent, client = weather_agent(agents, proxy.url, http)
         history: list = []
         for text in user_turns(9):
             result = await agents.Runner.run(agent, history + [{"role": "user", "content": text}])

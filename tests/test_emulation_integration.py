@@ -18,7 +18,9 @@ from driver import (
     httpx,
     meaning,
     recording_clients,
+    tenant_of,
     user_turns,
+    weather_agent,
 )
 
 
@@ -109,22 +111,13 @@ def test_the_async_openai_sdk_keeps_its_context(emulator, start_proxy, stream):
 
 def test_openai_agents_with_auto_previous_response_id(emulator, start_proxy):
     agents = pytest.importorskip("agents")
-    agents.set_tracing_disabled(True)
     emulator.model.control({"stateless": "ignore"})
     proxy = start_proxy(emulator.url, "--set", "stateful_emulate=auto")
-
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """Weather for a city."""
-        return f"{city}: 21C"
-
     sent: list = []
     _, http = recording_clients(sent)
 
     async def run() -> list:
-        client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="sk-a", http_client=http, max_retries=0)
-        agent = agents.Agent(name="assistant", instructions="Be terse.", tools=[get_weather],
-                             model=agents.OpenAIResponsesModel(model="gpt-test", openai_client=client))
+        agent, client = weather_agent(agents, proxy.url, http)
         previous, outputs = None, []
         for text in user_turns(6):
             result = await agents.Runner.run(agent, text, previous_response_id=previous,
@@ -225,17 +218,14 @@ async def _craft(path, key: str) -> dict[str, str]:
     """Turns no real upstream would produce, written into the store the proxy
     uses (another process, as a replica would): a cycle, and an unfinished one."""
     import msgspec
-    from stateful_responses.planner import Planner, Request
     from stateful_responses.recorder import Recorder
     from stateful_responses.storage.sqlite import SQLiteStorage
-    from stateful_responses.turns import TURNS, Tenant, header_of
+    from stateful_responses.turns import TURNS, header_of
 
     storage = SQLiteStorage(str(path))
     await storage.open()
     try:
-        credential = Planner.credential_material(Request("POST", "http://x/v1/responses",
-                                                         {"authorization": f"Bearer {key}"}, b""))
-        tenant = Tenant.of(await storage.secret(), credential)
+        tenant = await tenant_of(storage, key)
         recorder = Recorder(ttl=600)
 
         def answer(response_id: str) -> dict:

@@ -23,6 +23,7 @@ runs a long campaign; the default is a short derandomized run for CI.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -30,7 +31,7 @@ import os
 import re
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -38,7 +39,7 @@ from typing import Any
 import pytest
 import strict_json
 from driver import INSTRUCTIONS, TOOLS, expand_input, httpx
-from harness import start_mitmdump
+from harness import Proxy, start_mitmdump
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from odd_json import ESCAPES, PLAIN, SPECIAL_TEXT, Nested, Pairs, Style, Verbatim, write
@@ -431,15 +432,22 @@ def assert_no_internal_errors(proxy, since: int) -> None:
 # -- campaign 1: oddly written requests, the emulator as upstream ---------------
 
 
+@contextlib.contextmanager
+def proxied(upstream_url: str) -> Iterator[tuple[Proxy, httpx.Client]]:
+    """mitmdump with the addon (debug lines on) in front of an upstream, and a
+    client for it; the proxy is stopped whatever happens."""
+    proxy = start_mitmdump(upstream_url, "--set", "stateful_debug=true")
+    try:
+        with httpx.Client(trust_env=False, timeout=60) as http:
+            yield proxy, http
+    finally:
+        proxy.stop()
+
+
 @pytest.fixture(scope="module")
 def stack():
-    with Emulator() as emulator:
-        proxy = start_mitmdump(emulator.url, "--set", "stateful_debug=true")
-        try:
-            with httpx.Client(trust_env=False, timeout=60) as http:
-                yield emulator, proxy, http
-        finally:
-            proxy.stop()
+    with Emulator() as emulator, proxied(emulator.url) as (proxy, http):
+        yield emulator, proxy, http
 
 
 @pytest.mark.integration
@@ -635,13 +643,8 @@ class OddAnswerUpstream:
 
 @pytest.fixture(scope="module")
 def odd_stack():
-    with OddAnswerUpstream() as upstream:
-        proxy = start_mitmdump(upstream.url, "--set", "stateful_debug=true")
-        try:
-            with httpx.Client(trust_env=False, timeout=60) as http:
-                yield upstream, proxy, http
-        finally:
-            proxy.stop()
+    with OddAnswerUpstream() as upstream, proxied(upstream.url) as (proxy, http):
+        yield upstream, proxy, http
 
 
 @pytest.mark.integration

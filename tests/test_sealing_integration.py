@@ -9,9 +9,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from driver import ChainedConversation, assert_chain_context_preserved, httpx
-from stateful_responses.planner import Planner, Request
-from stateful_responses.turns import TURNS, Tenant
+from driver import ChainedConversation, assert_chain_context_preserved, httpx, tenant_of
+from stateful_responses.turns import TURNS
 
 MARKER = "Zebra-7f3a-Marker"
 
@@ -106,9 +105,7 @@ async def _plant(path, key: str, source: str, target: str) -> None:
     storage = SQLiteStorage(str(path))
     await storage.open()
     try:
-        credential = Planner.credential_material(Request("POST", "http://x/v1/responses",
-                                                         {"authorization": f"Bearer {key}"}, b""))
-        tenant = Tenant.of(await storage.secret(), credential)
+        tenant = await tenant_of(storage, key)
         record = (await storage.get(TURNS, [tenant.turn_key(source)]))[tenant.turn_key(source)]
         await storage.put(TURNS, {tenant.turn_key(target): record}, 600)
     finally:
