@@ -232,3 +232,37 @@ async def tenant_of(storage: Any, key: str) -> Any:
     credential = Planner.credential_material(Request("POST", "http://x/v1/responses",
                                                      {"authorization": f"Bearer {key}"}, b""))
     return Tenant.of(await storage.secret(), credential)
+
+
+def langchain_conversation(lc: Any, proxy_url: str, http: Any, texts: list[str], *, stream: bool = False,
+                           **options: Any) -> None:
+    """A langchain-openai ChatOpenAI (Responses API, one bound tool, ``options``
+    such as ``use_previous_response_id``) through the proxy over ``http``: one
+    user message per text, and the tool loop after each until the model
+    answers without a call; streamed answers are summed chunk by chunk.
+    ``lc`` is the imported langchain_openai package."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Weather for a city."""
+        return f"{city}: 21C"
+
+    llm = lc.ChatOpenAI(model="gpt-test", base_url=proxy_url + "/v1", api_key="sk-a", use_responses_api=True,
+                        http_client=http, max_retries=0, **options).bind_tools([get_weather])
+    messages: list = []
+    for text in texts:
+        messages.append(HumanMessage(text))
+        while True:
+            if stream:
+                ai = None
+                for chunk in llm.stream(messages):
+                    ai = chunk if ai is None else ai + chunk
+            else:
+                ai = llm.invoke(messages)
+            messages.append(ai)
+            if not ai.tool_calls:
+                break
+            for call in ai.tool_calls:
+                messages.append(ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"]))

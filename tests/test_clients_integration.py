@@ -8,7 +8,15 @@ import json
 
 import openai
 import pytest
-from driver import TOOLS, Conversation, assert_context_preserved, recording_clients, user_turns, weather_agent
+from driver import (
+    TOOLS,
+    Conversation,
+    assert_context_preserved,
+    langchain_conversation,
+    recording_clients,
+    user_turns,
+    weather_agent,
+)
 
 MIN_RATE = 0.9
 
@@ -79,33 +87,9 @@ def test_openai_agents_runner(proxy, emulator, request):
 @pytest.mark.parametrize("stream", [False, True], ids=["invoke", "stream"])
 def test_langchain_openai_responses_api(proxy, emulator, stream, request):
     lc = pytest.importorskip("langchain_openai")
-    from langchain_core.messages import HumanMessage, ToolMessage
-    from langchain_core.tools import tool
-
-    @tool
-    def get_weather(city: str) -> str:
-        """Weather for a city."""
-        return f"{city}: 21C"
-
     sent: list = []
     http, _ = recording_clients(sent)
-    llm = lc.ChatOpenAI(model="gpt-test", base_url=proxy.url + "/v1", api_key="sk-a", use_responses_api=True,
-                        http_client=http, max_retries=0).bind_tools([get_weather])
-    messages: list = []
-    for text in user_turns(9):
-        messages.append(HumanMessage(text))
-        while True:
-            if stream:
-                ai = None
-                for chunk in llm.stream(messages):
-                    ai = chunk if ai is None else ai + chunk
-            else:
-                ai = llm.invoke(messages)
-            messages.append(ai)
-            if not ai.tool_calls:
-                break
-            for call in ai.tool_calls:
-                messages.append(ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"]))
+    langchain_conversation(lc, proxy.url, http, user_turns(9), stream=stream)
     log = emulator.model.snapshot_log()
     assert len(sent) >= 12
     assert_context_preserved(sent, log, reshaped=True)

@@ -16,6 +16,7 @@ from driver import (
     drop_nulls,
     expand_input,
     httpx,
+    langchain_conversation,
     meaning,
     recording_clients,
     tenant_of,
@@ -135,30 +136,11 @@ def test_openai_agents_with_auto_previous_response_id(emulator, start_proxy):
 
 def test_langchain_with_use_previous_response_id(emulator, start_proxy):
     lc = pytest.importorskip("langchain_openai")
-    from langchain_core.messages import HumanMessage, ToolMessage
-    from langchain_core.tools import tool
-
-    @tool
-    def get_weather(city: str) -> str:
-        """Weather for a city."""
-        return f"{city}: 21C"
-
     emulator.model.control({"stateless": "reject"})
     proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always")
     sent: list = []
     http, _ = recording_clients(sent)
-    llm = lc.ChatOpenAI(model="gpt-test", base_url=proxy.url + "/v1", api_key="sk-a", use_responses_api=True,
-                        use_previous_response_id=True, http_client=http, max_retries=0).bind_tools([get_weather])
-    messages: list = []
-    for text in user_turns(6):
-        messages.append(HumanMessage(text))
-        while True:
-            ai = llm.invoke(messages)
-            messages.append(ai)
-            if not ai.tool_calls:
-                break
-            for call in ai.tool_calls:
-                messages.append(ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"]))
+    langchain_conversation(lc, proxy.url, http, user_turns(6), use_previous_response_id=True)
     assert any(s.body.get("previous_response_id") for s in sent), "langchain did not chain by itself"
     _assert_every_request_saw_its_whole_chain(sent, log(emulator))
 
