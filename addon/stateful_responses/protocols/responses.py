@@ -109,22 +109,22 @@ def lift_read(doc: dict, raw_items: list[bytes], digests: list[bytes]) -> Lifted
     the results this request submits and the calls that name them, so
     recording costs next to nothing on top of planning."""
     shapes = map(_shape_of, reversed(raw_items))  # newest first, each read once
-    tail: list[Any] = []  # the submitted results and the model's last turn, oldest first
+    read: list[Any] = []  # newest first: the submitted results and the model's last turn
     for item in shapes:
-        if tail and _is_model_item(tail[0]) and not _is_model_item(item):
+        if read and _is_model_item(read[-1]) and not _is_model_item(item):
             shapes = chain([item], shapes)
             break
-        tail.insert(0, item)
-    submitted = _submitted_tool_results(tail)
+        read.append(item)
+    submitted = _submitted_tool_results(read[::-1])
     unnamed = {result.call_id for result in submitted if result.name is None}
     if unnamed:  # a call made before the model's last turn: read back to it
         for item in shapes:
-            tail.insert(0, item)
+            read.append(item)
             if isinstance(item.get("name"), str):
                 unnamed.discard(item.get("call_id"))
             if not unnamed:
                 break
-        submitted = _submitted_tool_results(tail)
+        submitted = _submitted_tool_results(read[::-1])
     return _lifted(doc, [], submitted, digests)
 
 
