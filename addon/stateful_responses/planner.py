@@ -61,8 +61,11 @@ _NAMED_LIKE_A_CREDENTIAL = re.compile(r"auth|key|token|secret|password|subscript
 
 def is_credential_header(name: str) -> bool:
     """Whether a header (its lower-case name) is credential material."""
-    return name in CREDENTIAL_HEADERS or (
-        _NAMED_LIKE_A_CREDENTIAL.search(name) is not None and "idempotency" not in name)
+    return name in CREDENTIAL_HEADERS or _named_like_a_credential(name)
+
+
+def _named_like_a_credential(name: str) -> bool:
+    return _NAMED_LIKE_A_CREDENTIAL.search(name) is not None and "idempotency" not in name
 
 
 @dataclass(frozen=True)
@@ -346,8 +349,8 @@ class Planner:
         headers = request.headers
         parts = [headers.get(n, "") for n in CREDENTIAL_HEADERS]
         parts += [urlsplit(request.url).query, request.proxy_user]
-        parts += sorted(f"{name.lower()}: {value}" for name, value in headers.items()
-                        if name.lower() not in CREDENTIAL_HEADERS and is_credential_header(name.lower()))
+        parts += sorted(f"{name}: {value}" for written, value in headers.items()
+                        if (name := written.lower()) not in CREDENTIAL_HEADERS and _named_like_a_credential(name))
         return "\x00".join(parts).encode("utf-8", "surrogatepass")
 
     def scope(self, upstream: str, credential: bytes) -> tuple[str, str]:
