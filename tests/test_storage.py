@@ -20,6 +20,7 @@ from redis.crc import key_slot
 from redis_server import start_redis_server
 from stateful_responses.storage import (
     DEFAULT_SQLITE_FILE,
+    Batch,
     StorageError,
     StoreSpec,
     open_storage,
@@ -137,6 +138,34 @@ async def test_delete_removes_only_the_named_keys(storage):
     await storage.delete("entries", [b"a", b"never written"])
     await storage.delete("entries", [])
     assert await storage.scan("entries") == {b"b": b"2"}
+
+
+async def test_a_batch_deletes_then_puts_across_tables_each_with_its_own_ttl(storage):
+    await storage.put("entries", {b"a": b"1", b"b": b"2"}, ttl=60)
+    await storage.write(Batch(
+        deletes=[("entries", [b"a", b"never written"]), ("marks", [])],
+        puts=[("entries", {b"c": b"3"}, 60), ("marks", {b"m": b"short"}, 0.5), ("refs", {}, 60)],
+    ))
+    await storage.write(Batch())
+    assert await storage.get("entries", [b"a", b"b", b"c"]) == {b"b": b"2", b"c": b"3"}
+    assert await storage.get("marks", [b"m"]) == {b"m": b"short"}
+    await asyncio.sleep(0.7)
+    assert await storage.get("marks", [b"m"]) == {}
+    assert await storage.get("entries", [b"c"]) == {b"c": b"3"}
+    with pytest.raises(ValueError):
+        await storage.write(Batch(deletes=[("no spaces allowed", [])]))
+
+
+@pytest.mark.parametrize("make_storage", ["sqlite", "redis"], indirect=True)
+async def test_a_batch_that_fails_writes_nothing(storage):
+    """One transaction (SQLite) or one MULTI/EXEC (Redis): the state never
+    shows a batch half applied."""
+    await storage.put("entries", {b"a": b"1"}, ttl=60)
+    with pytest.raises(StorageError):
+        await storage.write(Batch(deletes=[("entries", [b"a"])],
+                                  puts=[("marks", {b"m": b"1"}, 60), ("refs", {b"r": object()}, 60)]))  # type: ignore[dict-item]
+    assert await storage.get("entries", [b"a"]) == {b"a": b"1"}
+    assert await storage.get("marks", [b"m"]) == {}
 
 
 async def test_records_expire_ttl_seconds_after_their_put(storage):

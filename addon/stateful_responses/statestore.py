@@ -22,7 +22,7 @@ from .continuation import CHAIN_RESPONSES, CHAIN_TIPS, CHAIN_TURNS
 from .planner import Planner
 from .settings import Settings
 from .state import ENTRIES, MARKS, REFS, StoredEntry, Write, entries_found
-from .storage import Storage, StorageError, open_storage
+from .storage import Batch, Storage, StorageError, open_storage
 from .turns import ITEMS, TURNS, conflict
 
 logger = logging.getLogger(__name__)
@@ -278,9 +278,9 @@ def _limits(spec: str) -> dict[str, int]:
 
 
 async def _apply(storage: Storage, writes: list[Write]) -> None:
-    """Apply writes as few calls as the outcome allows: what counts is each
-    key's last write, so puts are grouped by table and expiry, deletes by
-    table; a turn that must not replace another is checked on its own."""
+    """Apply writes in one batch: what counts is each key's last write, so
+    puts are grouped by table and expiry, deletes by table; a turn that must
+    not replace another is checked on its own first."""
     last: dict[tuple[str, bytes], Write] = {}
     for write in writes:
         last.pop((write.table, write.key), None)  # the newest write of a key keeps its place
@@ -294,10 +294,8 @@ async def _apply(storage: Storage, writes: list[Write]) -> None:
             deletes.setdefault(write.table, []).append(write.key)
         else:
             puts.setdefault((write.table, write.ttl), {})[write.key] = write.value
-    for table, keys in deletes.items():
-        await storage.delete(table, keys)
-    for (table, ttl), records in puts.items():
-        await storage.put(table, records, ttl)
+    await storage.write(Batch(puts=[(table, records, ttl) for (table, ttl), records in puts.items()],
+                              deletes=list(deletes.items())))
 
 
 async def _unless_conflicting(storage: Storage, write: Write) -> Write:

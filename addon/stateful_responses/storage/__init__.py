@@ -45,6 +45,11 @@ class Storage(Protocol):
 
     async def delete(self, table: str, keys: Sequence[bytes]) -> None: ...
 
+    async def write(self, batch: Batch) -> None:
+        """Apply ``batch`` in one call: its deletes, then its puts, in one
+        transaction (SQLite) or pipeline (Redis). ``put`` and ``delete`` are
+        one-table batches."""
+
     async def scan(self, table: str) -> dict[bytes, bytes]:
         """Every unexpired record of a small table (marks), in one call."""
 
@@ -55,6 +60,15 @@ class Storage(Protocol):
         """Cheap liveness check, for probing after an outage."""
 
     async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Writes to several tables at once: each put is (table, records, ttl),
+    each delete (table, keys). A key is in at most one of them per table."""
+
+    puts: Sequence[tuple[str, Mapping[bytes, bytes], float]] = ()
+    deletes: Sequence[tuple[str, Sequence[bytes]]] = ()
 
 
 DEFAULT_SQLITE_FILE = "stateful-responses.sqlite3"

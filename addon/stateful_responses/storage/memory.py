@@ -9,7 +9,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from . import DEFAULT_TABLE_LIMIT, check_table
+from . import DEFAULT_TABLE_LIMIT, Batch, check_table
 
 
 @dataclass
@@ -73,17 +73,23 @@ class MemoryStorage:
         return found
 
     async def put(self, table: str, records: Mapping[bytes, bytes], ttl: float) -> None:
-        stored = self._tables.setdefault(check_table(table), _Table())
-        now = time.monotonic()
-        for key, value in records.items():
-            stored.put(key, value, now + ttl)
-        stored.drop_expired(now)
-        stored.trim(self._limits.get(table, self._default_limit))
+        await self.write(Batch(puts=[(table, records, ttl)]))
 
     async def delete(self, table: str, keys: Sequence[bytes]) -> None:
-        records = self._tables.get(check_table(table), _Table()).records
-        for key in keys:
-            records.pop(key, None)
+        await self.write(Batch(deletes=[(table, keys)]))
+
+    async def write(self, batch: Batch) -> None:
+        for table, keys in batch.deletes:
+            records = self._tables.get(check_table(table), _Table()).records
+            for key in keys:
+                records.pop(key, None)
+        now = time.monotonic()
+        for table, puts, ttl in batch.puts:
+            stored = self._tables.setdefault(check_table(table), _Table())
+            for key, value in puts.items():
+                stored.put(key, value, now + ttl)
+            stored.drop_expired(now)
+            stored.trim(self._limits.get(table, self._default_limit))
 
     async def scan(self, table: str) -> dict[bytes, bytes]:
         records = self._tables.get(check_table(table), _Table()).records

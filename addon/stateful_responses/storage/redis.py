@@ -28,7 +28,7 @@ import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from . import DEFAULT_TABLE_LIMIT, StorageError, check_table
+from . import DEFAULT_TABLE_LIMIT, Batch, StorageError, check_table
 
 T = TypeVar("T")
 
@@ -173,27 +173,33 @@ class RedisStorage:
         return {key: value for key, value in zip(keys, values) if value is not None}
 
     async def put(self, table: str, records: Mapping[bytes, bytes], ttl: float) -> None:
-        prefix = self._record_prefix(table)
-        if not records:
-            return
-        keys = [self._index(table), self._prefix + b"tables", *(prefix + key for key in records)]
-        limit = self._limits.get(table, self._default_limit)
-        args = [max(1, math.ceil(ttl * 1000)), limit, table, *records.values()]
-        await self._call(lambda client: self._put_script(keys=keys, args=args))
+        await self.write(Batch(puts=[(table, records, ttl)]))
 
     async def delete(self, table: str, keys: Sequence[bytes]) -> None:
-        prefix = self._record_prefix(table)
-        if not keys:
-            return
-        record_keys = [prefix + key for key in keys]
+        await self.write(Batch(deletes=[(table, keys)]))
 
-        async def delete_records_and_index_members(client: redis.asyncio.Redis) -> None:
+    async def write(self, batch: Batch) -> None:
+        for table, *_ in (*batch.deletes, *batch.puts):
+            check_table(table)
+        deletes = [(self._index(table), [self._record_prefix(table) + key for key in keys])
+                   for table, keys in batch.deletes if keys]
+        puts = [([self._index(table), self._prefix + b"tables", *(self._record_prefix(table) + key for key in records)],
+                 [max(1, math.ceil(ttl * 1000)), self._limits.get(table, self._default_limit), table,
+                  *records.values()])
+                for table, records, ttl in batch.puts if records]
+        if not deletes and not puts:
+            return
+
+        async def in_one_transaction(client: redis.asyncio.Redis) -> None:
             async with client.pipeline(transaction=True) as pipe:
-                pipe.delete(*record_keys)
-                pipe.zrem(self._index(table), *record_keys)
+                for index, record_keys in deletes:
+                    pipe.delete(*record_keys)
+                    pipe.zrem(index, *record_keys)
+                for keys, args in puts:
+                    await self._put_script(keys=keys, args=args, client=pipe)
                 await pipe.execute()
 
-        await self._call(delete_records_and_index_members)
+        await self._call(in_one_transaction)
 
     async def scan(self, table: str) -> dict[bytes, bytes]:
         prefix = self._record_prefix(table)

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from . import DEFAULT_TABLE_LIMIT, StorageError, check_table
+from . import DEFAULT_TABLE_LIMIT, Batch, StorageError, check_table
 
 T = TypeVar("T")
 
@@ -123,14 +123,18 @@ class SQLiteStorage:
         return await self._run(self._get, table, list(keys)) if keys else {}
 
     async def put(self, table: str, records: Mapping[bytes, bytes], ttl: float) -> None:
-        check_table(table)
-        if records:
-            await self._run(self._put, table, dict(records), ttl)
+        await self.write(Batch(puts=[(table, records, ttl)]))
 
     async def delete(self, table: str, keys: Sequence[bytes]) -> None:
-        check_table(table)
-        if keys:
-            await self._run(self._delete, table, list(keys))
+        await self.write(Batch(deletes=[(table, keys)]))
+
+    async def write(self, batch: Batch) -> None:
+        # One job and one transaction for the whole batch: every hop to the
+        # worker costs the event loop a wake-up and a turn of the GIL.
+        deletes = [(check_table(table), list(keys)) for table, keys in batch.deletes]
+        puts = [(check_table(table), dict(records), ttl) for table, records, ttl in batch.puts]
+        if any(keys for _, keys in deletes) or any(records for _, records, _ in puts):
+            await self._run(self._write, deletes, puts)
 
     async def scan(self, table: str) -> dict[bytes, bytes]:
         check_table(table)
@@ -206,7 +210,7 @@ class SQLiteStorage:
             db.execute(f"PRAGMA wal_autocheckpoint = {max(16, wal_bytes // page_size)}")
             version = db.execute("PRAGMA user_version").fetchone()[0]
             if version == 0:
-                with _write(db):
+                with _transaction(db):
                     if db.execute("PRAGMA user_version").fetchone()[0] == 0:  # not created meanwhile
                         for statement in SCHEMA:
                             db.execute(statement)
@@ -226,7 +230,7 @@ class SQLiteStorage:
     def _read_or_create_secret(self, db: sqlite3.Connection) -> bytes:
         row = db.execute("SELECT value FROM meta WHERE name = 'secret'").fetchone()
         if row is None:
-            with _write(db):
+            with _transaction(db):
                 db.execute("INSERT OR IGNORE INTO meta VALUES ('secret', randomblob(32))")
                 row = db.execute("SELECT value FROM meta WHERE name = 'secret'").fetchone()
         return row[0]
@@ -240,18 +244,24 @@ class SQLiteStorage:
                 GET.format(",".join("?" * len(chunk))), (table, now, *chunk)))
         return found
 
-    def _put(self, db: sqlite3.Connection, table: str, records: dict[bytes, bytes], ttl: float) -> None:
+    def _write(self, db: sqlite3.Connection, deletes: list[tuple[str, list[bytes]]],
+               puts: list[tuple[str, dict[bytes, bytes], float]]) -> None:
         now = time.time()
-        with _write(db):
-            db.executemany(UPSERT, ((table, key, value, now + ttl) for key, value in records.items()))
-            over = self._count(db, table) - self._limits.get(table, self._default_limit)
-            if over > 0:
-                db.execute(DELETE_SOONEST, (table, over))
-            if now >= self._next_sweep:
+        with _transaction(db):
+            for table, keys in deletes:
+                db.executemany("DELETE FROM records WHERE tbl = ? AND key = ?", ((table, key) for key in keys))
+            puts = [(table, records, ttl) for table, records, ttl in puts if records]
+            for table, records, ttl in puts:
+                db.executemany(UPSERT, ((table, key, value, now + ttl) for key, value in records.items()))
+                over = self._count(db, table) - self._limits.get(table, self._default_limit)
+                if over > 0:
+                    db.execute(DELETE_SOONEST, (table, over))
+            if puts and now >= self._next_sweep:
                 self._next_sweep = now + self._sweep_interval
                 for (name,) in db.execute("SELECT tbl FROM counts WHERE n > 0").fetchall():
                     db.execute(DELETE_EXPIRED, (name, now, SWEEP_BATCH))
-            self._keep_under_max_bytes(db)
+            if puts:
+                self._keep_under_max_bytes(db)
 
     def _keep_under_max_bytes(self, db: sqlite3.Connection) -> None:
         """Over the cap, each table loses the same share of its rows, soonest
@@ -278,19 +288,15 @@ class SQLiteStorage:
         row = db.execute("SELECT n FROM counts WHERE tbl = ?", (table,)).fetchone()
         return row[0] if row else 0
 
-    def _delete(self, db: sqlite3.Connection, table: str, keys: list[bytes]) -> None:
-        with _write(db):
-            db.executemany("DELETE FROM records WHERE tbl = ? AND key = ?", ((table, key) for key in keys))
-
     def _scan(self, db: sqlite3.Connection, table: str) -> dict[bytes, bytes]:
         return dict(db.execute("SELECT key, value FROM records WHERE tbl = ? AND expires > ?", (table, time.time())))
 
     def _clear(self, db: sqlite3.Connection) -> None:
-        with _write(db):
+        with _transaction(db):
             db.execute("DELETE FROM records")
 
 
-class _write:
+class _transaction:
     """A write transaction that takes the write lock at once (waiting up to
     the busy timeout), so it can never fail half way on a lock upgrade."""
 
