@@ -474,6 +474,21 @@ async def test_expired_rows_are_swept_from_the_file(make_sqlite, sqlite_path):
     assert rows == [("marks", 1)]
 
 
+async def test_the_wal_reaches_the_file_in_the_background_between_writes(make_sqlite, sqlite_path):
+    """A checkpoint ends in an fsync; the writer's commits (which answers wait
+    on) leave it to a thread of its own, long before SQLite's automatic one
+    (at 2048 pages here) would run it in a commit."""
+    storage = make_sqlite()
+    await storage.open()
+    before = os.path.getsize(sqlite_path)
+    await storage.put("turns", {n.to_bytes(4, "big"): os.urandom(1000) for n in range(200)}, ttl=60)
+    for _ in range(100):
+        if os.path.getsize(sqlite_path) > before + 200_000:
+            break
+        await asyncio.sleep(0.02)
+    assert os.path.getsize(sqlite_path) > before + 200_000
+
+
 async def test_close_joins_the_worker_thread(make_sqlite):
     storage = make_sqlite()
     await storage.put("entries", {b"k": b"v"}, ttl=60)
