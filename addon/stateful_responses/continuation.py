@@ -16,7 +16,6 @@ through an outbox and misses are looked up by the glue (as ``planner.py``).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from typing import Any
 import msgspec
 from blake3 import blake3
 
+from .entropy import random_bytes
 from .items import Ambiguous, ItemSequence, canonical_json
 from .protocols import AuditEntry, LiftedAnswer, LiftedRequest
 from .state import Bounded, Outbox, Write
@@ -58,7 +58,7 @@ def _decode_turn(data: bytes) -> TurnRef | None:
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}_{os.urandom(8).hex()}"
+    return f"{prefix}_{random_bytes(8).hex()}"
 
 
 def chain_tag(chain_id: str) -> str:

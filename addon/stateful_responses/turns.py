@@ -19,13 +19,14 @@ what bounds and conflicts need: status, time, size, a keyed fingerprint.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import msgspec
 from blake3 import blake3
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+from .entropy import random_bytes
 
 TURNS = "turns"  # turn key -> TurnHeader (body sealed)
 ITEMS = "items"  # item key -> sealed item JSON
@@ -85,7 +86,7 @@ class Tenant:
         return blake3(self.tag + b"item\x00" + raw_item, key=self._secret).digest(KEY_SIZE)
 
     def seal(self, data: bytes, key: bytes) -> bytes:
-        nonce = os.urandom(_NONCE)
+        nonce = random_bytes(_NONCE)
         return nonce + self._aead.encrypt(nonce, data, key)
 
     def open(self, sealed: bytes, key: bytes) -> bytes | None:
