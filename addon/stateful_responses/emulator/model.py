@@ -56,6 +56,7 @@ class Faults:
     refuse_store: bool = False  # a zero-data-retention organization
     forget_probability: float = 0.0
     slow_ms: int = 0  # pause after each SSE event
+    think_ms: int = 0  # pause before a model call is answered (a real model's time to its first token)
     gzip: bool = False
     background_delay_ms: int = 200  # a background response's time from queued to finished
     read_rate_bytes_per_s: int = 0  # request bodies are read at this rate (0: as fast as they come)
@@ -74,8 +75,8 @@ class Faults:
         return None
 
 
-SETTABLE = ("stateless", "echo_store", "echo_previous", "refuse_store", "forget_probability", "slow_ms", "gzip",
-            "background_delay_ms", "read_rate_bytes_per_s")
+SETTABLE = ("stateless", "echo_store", "echo_previous", "refuse_store", "forget_probability", "slow_ms", "think_ms",
+            "gzip", "background_delay_ms", "read_rate_bytes_per_s")
 
 
 class ResponsesModel:
@@ -91,6 +92,11 @@ class ResponsesModel:
 
     def control(self, command: dict) -> dict:
         with self._lock:
+            if command.get("reset"):  # first: settings in the same command apply to the fresh state
+                self._store.clear()
+                self._jobs.clear()
+                self.log.clear()
+                self.faults = Faults()
             for key in SETTABLE:
                 if key in command:
                     setattr(self.faults, key, command[key])
@@ -101,11 +107,6 @@ class ResponsesModel:
             if command.get("forget_all"):
                 self._store.clear()
                 self._jobs.clear()
-            if command.get("reset"):
-                self._store.clear()
-                self._jobs.clear()
-                self.log.clear()
-                self.faults = Faults()
             return {"stored": self._store.continuable_count(), "log": len(self.log)}
 
     def record_stream(self, response_id: str, sent: bytes) -> None:

@@ -198,6 +198,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _converse(self, api: ConversationAPI, call: Call) -> None:
         """A request to one of the other conversation APIs: answered as JSON or
         streamed as that API streams, unless a fault says otherwise."""
+        self._think()
         answer, conversation, fault = self.model.converse(api, call)
         kind = (fault or {}).get("kind")
         if kind == "reset":
@@ -214,6 +215,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _create(self, body: bytes) -> None:
         parsed = _parsed(body)
         credential = self._credential()
+        if not (isinstance(parsed, dict) and parsed.get("background")):  # queued at once; it thinks in the background
+            self._think()
         response, fault = self.model.create(credential, parsed, len(body), self.raw_sha256)
         fault = fault or {}
         kind = fault.get("kind")
@@ -253,6 +256,10 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             if current["status"] == "cancelled":
                 return
+
+    def _think(self) -> None:
+        if think_ms := self.model.faults.think_ms:
+            time.sleep(think_ms / 1000)
 
     def _reset_connection(self) -> None:
         self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
