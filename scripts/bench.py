@@ -218,6 +218,19 @@ def bench_uplink(quick: bool) -> list[str]:
             f"{whole['plain'] - whole['addon']:.1f} s |"]
 
 
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """This process's garbage collected and the rest frozen while timing, as
+    the addon freezes mitmdump's (heap.py): the collector's full passes then
+    walk what the timed runs allocate, not everything imported before."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def timed_runs(fns: dict, rounds: int) -> dict[str, float]:
     """Median wall time of each function, interleaved round by round."""
     times: dict[str, list[float]] = {k: [] for k in fns}
@@ -239,12 +252,8 @@ def bench_tax(quick: bool) -> list[str]:
                 def run(url):
                     return lambda: sum(1 for _ in converse(http, [url], turns, "tax", pad=20_000))
                 run(with_addon.url)()  # warm-up; also lets the addon find the upstream unsupported
-                gc.collect()
-                gc.freeze()  # the emulator answers from this process: no full collections of the bench's heap
-                try:
+                with frozen_heap():  # the emulator answers from this process
                     med = timed_runs({"addon": run(with_addon.url), "plain": run(plain.url)}, 7 if quick else 21)
-                finally:
-                    gc.unfreeze()
         finally:
             with_addon.stop()
             plain.stop()
@@ -291,18 +300,12 @@ def plan_case(size: int, count: int, rounds: int) -> str:
         never once per bytes it has seen."""
         return Request("POST", url, AUTH, bytes(bytearray(body)))
 
-    # The heap frozen as in mitmdump, where the addon freezes it once mitmproxy runs (heap.py):
-    # the collector's passes then walk what the runs allocate, not this process's imports.
-    gc.collect()
-    gc.freeze()
-    try:
+    with frozen_heap():
         med = timed_runs({
             "loads": lambda: json.loads(bytes(bytearray(body))),
             "loop": lambda: warm.plan(fresh()),
             "cold": lambda: Planner().plan(fresh()),
         }, rounds)
-    finally:
-        gc.unfreeze()
     return (f"| {len(body) / 1e6:.1f} MB | {count} | {med['loads'] * 1000:.2f} ms | {med['loop'] * 1000:.2f} ms | "
             f"{med['loop'] / med['loads']:.2f} | {med['cold'] * 1000:.2f} ms | {med['cold'] / med['loads']:.2f} |")
 
@@ -563,11 +566,9 @@ def bench_agents(quick: bool) -> list[str]:
                         # neither pauses for a collection of what earlier phases left.
                         control.post(upstream.url + "/_emulator/control",
                                      json={"reset": True, "think_ms": think_ms}).raise_for_status()
-                        gc.collect()
-                        gc.freeze()
-                        values, elapsed = asyncio.run(agent_loops(proxy.url, loops, turns, f"{name} {pace} {n}",
-                                                                  seconds))
-                        gc.unfreeze()
+                        with frozen_heap():
+                            values, elapsed = asyncio.run(agent_loops(proxy.url, loops, turns, f"{name} {pace} {n}",
+                                                                      seconds))
                         phases[pace, name].append((statistics.median(values), percentile(values, 99),
                                                    len(values) / elapsed))
     finally:
