@@ -140,9 +140,11 @@ class SQLiteStorage:
     async def write(self, batch: Batch) -> None:
         # One job and one transaction for the whole batch: every hop to the
         # worker costs the event loop a wake-up and a turn of the GIL.
-        deletes = [(check_table(table), list(keys)) for table, keys in batch.deletes]
-        puts = [(check_table(table), dict(records), ttl) for table, records, ttl in batch.puts]
-        if any(keys for _, keys in deletes) or any(records for _, records, _ in puts):
+        for table, *_ in (*batch.deletes, *batch.puts):
+            check_table(table)
+        deletes = [(table, list(keys)) for table, keys in batch.deletes if keys]
+        puts = [(table, dict(records), ttl) for table, records, ttl in batch.puts if records]
+        if deletes or puts:
             await self._run(self._write, deletes, puts)
 
     async def scan(self, table: str) -> dict[bytes, bytes]:
@@ -296,7 +298,6 @@ class SQLiteStorage:
         with _transaction(db):
             for table, keys in deletes:
                 db.executemany("DELETE FROM records WHERE tbl = ? AND key = ?", ((table, key) for key in keys))
-            puts = [(table, records, ttl) for table, records, ttl in puts if records]
             for table, records, ttl in puts:
                 db.executemany(UPSERT, ((table, key, value, now + ttl) for key, value in records.items()))
                 over = self._count(db, table) - self._limits.get(table, self._default_limit)
