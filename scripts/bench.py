@@ -51,16 +51,17 @@ from bench_storage import latency as storage_latency  # noqa: E402
 from driver import httpx  # noqa: E402
 from harness import start_mitmdump  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
-from stateful_responses import turns as turns_module  # noqa: E402
+from stateful_responses.store_emulation import turns as turns_module  # noqa: E402
 from stateful_responses.emulator import Emulator  # noqa: E402
-from stateful_responses.planner import Planner, Request  # noqa: E402
-from stateful_responses.recorder import Recorder  # noqa: E402
-from stateful_responses.settings import Settings  # noqa: E402
-from stateful_responses.storage import Storage  # noqa: E402
-from stateful_responses.storage.memory import MemoryStorage  # noqa: E402
-from stateful_responses.storage.redis import RedisStorage  # noqa: E402
-from stateful_responses.storage.sqlite import SQLiteStorage  # noqa: E402
-from stateful_responses.turns import Tenant  # noqa: E402
+from stateful_responses.forward.planner import Planner  # noqa: E402
+from stateful_responses.reading import Request  # noqa: E402
+from stateful_responses.store_emulation.history import History  # noqa: E402
+from stateful_responses.settings import Config, Settings  # noqa: E402
+from stateful_responses.state.storage import Storage  # noqa: E402
+from stateful_responses.state.storage.memory import MemoryStorage  # noqa: E402
+from stateful_responses.state.storage.redis import RedisStorage  # noqa: E402
+from stateful_responses.state.storage.sqlite import SQLiteStorage  # noqa: E402
+from stateful_responses.store_emulation.turns import Tenant  # noqa: E402
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for a city.",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
@@ -312,7 +313,7 @@ def plan_case(size: int, count: int, rounds: int) -> str:
 
 def bench_plan(quick: bool) -> list[str]:
     rows = ["| body | items | json.loads | plan, agent loop (earlier items seen, new ones read strictly) "
-            "| ratio (target ≤ 1.5, issues 13 and 17) | plan, body never seen | ratio (target ≤ 2, issue 13) |",
+            "| ratio (target ≤ 1.5) | plan, body never seen | ratio (target ≤ 2) |",
             "|---|---|---|---|---|---|---|"]
     for size, count in [(100_000, 50), (1_000_000, 400), (5_000_000, 2000)]:
         rows.append(plan_case(size, count, 5 if quick else 25))
@@ -361,7 +362,7 @@ def rss_mb() -> float:
 
 def bench_memory(quick: bool) -> list[str]:
     conversations, requests = (200, 2000) if quick else (1000, 20_000)
-    planner = Planner(Settings(max_chains=256))
+    planner = Planner(Config(Settings(max_chains=256)))
     url = "https://api.example.test/v1/responses"
     pad = 1500  # items of about 1.6 KB: the item cache reaches its 32 MB cap within the run
     histories = [[{"role": "user", "content": f"conversation {c} opens " + "p" * pad}] for c in range(conversations)]
@@ -592,7 +593,7 @@ def bench_agents(quick: bool) -> list[str]:
     return rows
 
 
-# -- store emulation's record (issues 11 and 14) ----------------------------------
+# -- store emulation's record ----------------------------------
 
 TTL = 30 * 86400.0
 CREDENTIAL = b"Bearer sk-bench"
@@ -631,7 +632,7 @@ async def opened_sqlite(path: str, sealed: bool = True) -> tuple[SQLiteStorage, 
 async def record_chain(storage: Storage, tenant: Tenant, turns: int) -> float:
     """A previous_response_id client's conversation, recorded and expanded
     turn by turn as emulation does; returns the mean seconds per turn."""
-    recorder = Recorder(ttl=TTL)
+    recorder = History()
     started = time.perf_counter()
     for n in range(turns):
         previous = f"resp_{n - 1}" if n else None
@@ -649,7 +650,7 @@ async def expand_times(storage: Storage, tenant: Tenant, last: str, rounds: int)
     recorder again."""
     cold, warm = [], []
     for _ in range(rounds):
-        recorder = Recorder(ttl=TTL)
+        recorder = History()
         for times in (cold, warm):
             started = time.perf_counter()
             await recorder.context(tenant, last, storage.get)
@@ -671,7 +672,7 @@ async def record_rows(quick: bool) -> list[str]:
 
         # A full-history client: every request resends the whole conversation.
         storage, tenant = await opened_sqlite(f"{work}/full.sqlite3")
-        recorder = Recorder(ttl=TTL)
+        recorder = History()
         history: list[bytes] = []
         distinct: set[bytes] = set()
         record_only, with_write = [], []

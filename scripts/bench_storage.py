@@ -20,10 +20,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "addon"), str(ROOT / "tests")]
 
-from stateful_responses.storage import Storage  # noqa: E402
-from stateful_responses.storage.memory import MemoryStorage  # noqa: E402
-from stateful_responses.storage.redis import RedisStorage  # noqa: E402
-from stateful_responses.storage.sqlite import SQLiteStorage  # noqa: E402
+from stateful_responses.state.storage import Storage  # noqa: E402
+from stateful_responses.state.storage.memory import MemoryStorage  # noqa: E402
+from stateful_responses.state.storage.redis import RedisStorage  # noqa: E402
+from stateful_responses.state.storage.sqlite import SQLiteStorage  # noqa: E402
 
 TABLE = "bench"
 BATCH = 200  # keys of one request's whole item sequence, looked up at once

@@ -226,11 +226,12 @@ def weather_agent(agents: Any, proxy_url: str, http: Any) -> tuple[Any, openai.A
 async def tenant_of(storage: Any, key: str) -> Any:
     """The tenant a client sending ``Authorization: Bearer key`` is in, in an
     open store, derived as the proxy derives it."""
-    from stateful_responses.planner import Planner, Request
-    from stateful_responses.turns import Tenant
+    from stateful_responses.reading import Request
+    from stateful_responses.store_emulation.turns import Tenant
+    from stateful_responses.tenancy import credential_material
 
-    credential = Planner.credential_material(Request("POST", "http://x/v1/responses",
-                                                     {"authorization": f"Bearer {key}"}, b""))
+    credential = credential_material(Request("POST", "http://x/v1/responses",
+                                             {"authorization": f"Bearer {key}"}, b""))
     return Tenant.of(await storage.secret(), credential)
 
 

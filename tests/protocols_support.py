@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from stateful_responses.items import canonical_json
-from stateful_responses.protocols import AnswerLifter, LiftedAnswer, LiftedRequest, lift_request
+from stateful_responses.record.protocols import AnswerLifter, LiftedAnswer, LiftedRequest, lift_request
 from stateful_responses.sse import SSEParser
 
 

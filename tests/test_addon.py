@@ -10,8 +10,8 @@ import sys
 import pytest
 from harness import ADDON
 from mitmproxy.test import taddons, tflow, tutils
-from stateful_responses.addon import make_addons
-from stateful_responses.view import META
+from stateful_responses.pipeline import make_addons
+from stateful_responses.flows import DECISION
 
 UPSTREAM_OUTPUT = [{"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
                     "content": [{"type": "output_text", "text": "hi!", "annotations": []}]}]
@@ -92,7 +92,7 @@ async def test_a_conversation_is_continued_and_traced_on_the_flow(caplog):
         assert f.request.headers["content-length"] == str(len(f.request.raw_content))
         stream_through(addon, f, json.dumps(answer).encode())
         await addon.response(f)
-        assert f.metadata[META]["outcome"] == "advanced"
+        assert f.metadata[DECISION]["outcome"] == "advanced"
 
         second = first + UPSTREAM_OUTPUT + [{"role": "user", "content": "again"}]
         f2 = responses_flow({"model": "m", "input": second, "tools": []})
@@ -100,7 +100,7 @@ async def test_a_conversation_is_continued_and_traced_on_the_flow(caplog):
         sent = json.loads(f2.request.content)
         assert sent == {"model": "m", "input": second[-1:], "tools": [], "previous_response_id": "resp_1", "store": True}
         assert f2.comment == "continued from resp_1: 1 of 3 items sent"
-        assert f2.metadata[META]["action"] == "continue"
+        assert f2.metadata[DECISION]["action"] == "continue"
         assert "rewritten m: 3 items, 1 new, previous resp_1" in caplog.text
 
 
@@ -112,7 +112,7 @@ async def test_the_tap_passes_every_byte_unchanged_even_when_reading_fails():
         garbage = b"data: {\xff\xfe broken\r\n\r\n" * 100 + b"\x00" * 1000
         assert stream_through(addon, f, garbage) == garbage
         await addon.response(f)
-        assert f.metadata[META]["outcome"] == "dropped"
+        assert f.metadata[DECISION]["outcome"] == "dropped"
 
 
 async def test_an_internal_error_lets_the_original_request_through(monkeypatch, caplog):
@@ -136,7 +136,7 @@ async def test_other_traffic_is_not_touched_and_leaves_no_trace():
         f = tflow.tflow(req=tutils.treq(method=b"POST", path=b"/v1/chat/completions",
                                         content=b'{"model": "m", "messages": []}'))
         await addon.request(f)
-        assert META not in f.metadata and not f.comment
+        assert DECISION not in f.metadata and not f.comment
         assert f.request.content == b'{"model": "m", "messages": []}'
 
 
@@ -146,7 +146,7 @@ async def test_disabled_touches_nothing():
         f = responses_flow({"model": "m", "input": "hello"})
         before = f.request.raw_content
         await addon.request(f)
-        assert f.request.raw_content == before and META not in f.metadata
+        assert f.request.raw_content == before and DECISION not in f.metadata
 
 
 async def test_commands_stats_and_clear():
@@ -164,9 +164,9 @@ async def test_commands_stats_and_clear():
 
 def test_reloading_the_entry_script_reloads_the_package():
     first = runpy.run_path(str(ADDON))
-    module_before = sys.modules["stateful_responses.addon"]
+    module_before = sys.modules["stateful_responses.pipeline"]
     second = runpy.run_path(str(ADDON))
-    assert sys.modules["stateful_responses.addon"] is not module_before
+    assert sys.modules["stateful_responses.pipeline"] is not module_before
     assert type(first["addons"][0]) is not type(second["addons"][0])
 
 
@@ -234,14 +234,14 @@ async def test_the_store_learns_before_the_last_bytes_reach_the_client(kind):
         nxt = responses_flow({"model": "m", "input": [{"role": "user", "content": "hello"}] + UPSTREAM_OUTPUT
                               + [{"role": "user", "content": "next"}]})
         await addon.request(nxt)  # before f's stream ended and before its response hook
-        assert nxt.metadata[META]["action"] == "continue"
+        assert nxt.metadata[DECISION]["action"] == "continue"
         f.response.stream(b"")
         await addon.response(f)
-        assert f.metadata[META]["outcome"] == "advanced"
+        assert f.metadata[DECISION]["outcome"] == "advanced"
 
 
 async def test_clear_forgets_in_memory_and_in_the_store(tmp_path):
-    from stateful_responses.state import ENTRIES
+    from stateful_responses.forward.prefixes import ENTRIES
 
     async with Glue(stateful_store=f"sqlite:{tmp_path / 'state.db'}") as addon:
         answer = {"id": "resp_1", "status": "completed", "store": True, "output": UPSTREAM_OUTPUT}

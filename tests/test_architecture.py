@@ -1,24 +1,81 @@
-"""The pure core never imports mitmproxy: tests and benchmarks drive it alone."""
+"""The layout's rules, pinned: every capability's pure core (every module but
+its ``addon.py``) and the shared pure modules import no mitmproxy, so tests and
+benchmarks drive them alone; no capability imports another capability's glue;
+the emulator never imports the addon."""
 
+import ast
 import subprocess
 import sys
 
 from harness import ROOT
 
-CORE = [f"stateful_responses.{m}" for m in (
-    "items", "store", "planner", "sse", "settings", "state", "chain", "turns", "recorder",
-    "storage", "storage.memory", "storage.sqlite", "storage.redis",
-    "protocols", "protocols.common", "protocols.responses", "protocols.chat", "protocols.anthropic",
-    "protocols.gemini",
-)]
+PACKAGE = ROOT / "addon" / "stateful_responses"
+CAPABILITIES = ("forward", "store_emulation", "record", "router", "state")
+# Shared modules that are mitmproxy glue by nature; every other shared module is pure.
+SHARED_GLUE = {"flows", "replays", "view", "options", "heap", "pipeline", "mitmproxy_script", "cli"}
 
 
-def test_the_core_imports_without_mitmproxy():
+def module_name(path) -> str:
+    return ".".join(("stateful_responses", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__")
+
+
+def pure_modules() -> list[str]:
+    modules = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).parts
+        if parts[0] == "emulator":
+            continue
+        if len(parts) == 1 and path.stem in SHARED_GLUE or path.name == "addon.py":
+            continue
+        modules.append(module_name(path))
+    return modules
+
+
+def test_every_capability_has_its_package_with_its_glue_in_addon_py():
+    for capability in CAPABILITIES:
+        assert (PACKAGE / capability / "addon.py").is_file(), capability
+
+
+def test_the_pure_modules_import_without_mitmproxy():
+    modules = pure_modules()
+    assert len(modules) > 20  # the rule is not vacuous
     code = (f"import sys; sys.path.insert(0, {str(ROOT / 'addon')!r}); "
-            + "; ".join(f"import {m}" for m in CORE)
+            + "; ".join(f"import {m}" for m in modules)
             + "; loaded = [m for m in sys.modules if m.split('.')[0] == 'mitmproxy']; print(loaded); assert not loaded")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def imported_modules(path) -> set[str]:
+    """Absolute names of the stateful_responses modules a file imports."""
+    package = module_name(path).rsplit(".", 1)[0] if path.name != "__init__.py" else module_name(path)
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name.startswith("stateful_responses")}
+
+
+def test_no_capability_imports_another_capabilitys_glue():
+    for capability in CAPABILITIES:
+        for path in (PACKAGE / capability).rglob("*.py"):
+            foreign_glue = {f"stateful_responses.{other}.addon" for other in CAPABILITIES if other != capability}
+            assert not imported_modules(path) & foreign_glue, path
+
+
+def test_no_shared_module_imports_a_capability():
+    for path in PACKAGE.glob("*.py"):
+        if path.stem in ("pipeline", "mitmproxy_script"):
+            continue
+        capabilities = {f"stateful_responses.{c}" for c in CAPABILITIES if c != "state"}
+        assert not {m for m in imported_modules(path) if m.rsplit(".", 1)[0] in capabilities or m in capabilities}, path
 
 
 def test_the_emulator_never_imports_the_addon():

@@ -1,4 +1,4 @@
-"""Store emulation (issue 11) through real mitmdump: clients that send
+"""Store emulation through real mitmdump: clients that send
 previous_response_id keep working where the upstream stores nothing, forgets,
 or silently ignores the field; the context the upstream sees is, on every
 request, the chain the client named."""
@@ -200,15 +200,15 @@ async def _craft(path, key: str) -> dict[str, str]:
     """Turns no real upstream would produce, written into the store the proxy
     uses (another process, as a replica would): a cycle, and an unfinished one."""
     import msgspec
-    from stateful_responses.recorder import Recorder
-    from stateful_responses.storage.sqlite import SQLiteStorage
-    from stateful_responses.turns import TURNS, header_of
+    from stateful_responses.store_emulation.history import History
+    from stateful_responses.state.storage.sqlite import SQLiteStorage
+    from stateful_responses.store_emulation.turns import TURNS, header_of
 
     storage = SQLiteStorage(str(path))
     await storage.open()
     try:
         tenant = await tenant_of(storage, key)
-        recorder = Recorder(ttl=600)
+        recorder = History()
 
         def answer(response_id: str) -> dict:
             return {"id": response_id, "status": "completed", "output": []}

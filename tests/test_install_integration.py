@@ -1,4 +1,4 @@
-"""Installed the way mitmproxy users install things (issue 13): a wheel built
+"""Installed the way mitmproxy users install things: a wheel built
 from the checkout, installed into a fresh virtual environment, run through its
 ``stateful-responses`` command and through ``mitmdump -s`` on the script path
 that command prints; and a mitmproxy whose Python lacks a dependency.

@@ -9,8 +9,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from stateful_responses.items import item_digest
-from stateful_responses.planner import Planner, Request
-from stateful_responses.settings import Settings
+from stateful_responses.forward.planner import Planner
+from stateful_responses.reading import Request
+from stateful_responses.settings import Config, Settings
 
 URL = "https://api.example.test/v1/responses"
 _ids = itertools.count()
@@ -157,7 +158,7 @@ def test_client_managed_state_passes_untouched(extra, reason):
 
 
 def test_store_false_is_respected_without_force_store():
-    planner = Planner(Settings(force_store=False))
+    planner = Planner(Config(Settings(force_store=False)))
     plan = planner.plan(request([{"role": "user", "content": "x"}], store=False))
     assert plan.action == "pass" and plan.body is None
     plan = planner.plan(request([{"role": "user", "content": "x"}]))
@@ -205,7 +206,7 @@ actions = st.sampled_from(["turn", "turn", "turn", "tool", "fork", "edit", "forg
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), max_chains=st.integers(1, 6))
 def test_effective_context_always_equals_client_input(data, max_chains):
-    planner = Planner(Settings(max_chains=max_chains))
+    planner = Planner(Config(Settings(max_chains=max_chains)))
     upstream = ReferenceUpstream()
     convs: list[tuple[str, list]] = [("k1", [{"role": "user", "content": "open 0"}])]
     for step in range(data.draw(st.integers(1, 25), label="steps")):
@@ -359,7 +360,7 @@ def test_a_credential_in_the_upstream_path_never_reaches_the_scope_label():
         assert secret not in plan.scope_label and secret not in plan.scope
 
 
-# -- issue 18: transient refusals, and answers that prove nothing --------------
+# -- transient refusals, and answers that prove nothing --------------
 
 @pytest.mark.parametrize("status", [408, 425, 429])
 def test_a_transient_4xx_teaches_nothing_and_forgets_nothing(status):
@@ -411,7 +412,7 @@ def test_a_continuation_whose_answer_does_not_echo_the_id_is_not_built_upon():
     assert planner.settle(null_echo, 200, _answer("resp_3", store=True, previous_response_id=None)).kind == "unsupported"
 
 
-# -- issue 17: bodies whose meaning depends on the parser ----------------------
+# -- bodies whose meaning depends on the parser ----------------------
 
 @pytest.mark.parametrize(
     "body",
@@ -456,10 +457,11 @@ def test_unusual_whitespace_between_top_level_fields_is_not_ambiguous(ws):
     assert Planner().plan(Request("POST", URL, {}, body.encode())).action == "full"
 
 
-# -- issue 10: what outlives the process -----------------------------------------
+# -- what outlives the process -----------------------------------------
 
 def test_what_the_planner_learns_reaches_the_outbox_and_a_fresh_planner_continues_from_it():
-    from stateful_responses.state import ENTRIES, MARKS, REFS, entries_found
+    from stateful_responses.forward.prefixes import ENTRIES, REFS, entries_found
+    from stateful_responses.upstreams import MARKS
 
     first, upstream = Planner(), ReferenceUpstream()
     conv = [{"role": "user", "content": "x"}]
@@ -470,7 +472,7 @@ def test_what_the_planner_learns_reaches_the_outbox_and_a_fresh_planner_continue
 
     # a restart: same secret (the store's), empty memory
     second = Planner()
-    second.use_secret(first._secret)
+    second.tenancy.use_secret(first.tenancy.secret)
     nxt = conv + response["output"] + [{"role": "user", "content": "y"}]
     plan = second.plan(request(nxt, "k"))
     assert plan.action == "full" and plan.forced_store
@@ -491,8 +493,8 @@ def test_what_the_planner_learns_reaches_the_outbox_and_a_fresh_planner_continue
     # marks travel too
     first.settle(first.plan(request(conv, "zdr")), 200,
                  {"id": "r", "status": "completed", "store": False, "output": assistant_output(1)})
-    marks = {w.key: w.value for w in first.take_writes() if w.table == MARKS}
-    second.marks.load(marks)
+    marks = {w.key: w.value for w in first.upstreams.take_writes() if w.table == MARKS}
+    second.upstreams.load(marks)
     assert second.plan(request(conv, "zdr")).action == "pass"
 
 
@@ -508,7 +510,7 @@ def test_a_refused_parent_is_deleted_from_the_store_too():
 
 def test_entries_and_marks_expire():
     now = [1000.0]
-    planner, upstream = Planner(Settings(ttl_days=1), clock=lambda: now[0]), ReferenceUpstream()
+    planner, upstream = Planner(Config(Settings(ttl_days=1), clock=lambda: now[0])), ReferenceUpstream()
     conv = [{"role": "user", "content": "x"}]
     _, response, _ = send(planner, upstream, "k", conv, assistant_output(1))
     nxt = conv + response["output"] + [{"role": "user", "content": "y"}]
@@ -522,12 +524,12 @@ def test_entries_and_marks_expire():
 
 
 def test_an_unreadable_stored_record_is_ignored():
-    from stateful_responses.state import entries_found
+    from stateful_responses.forward.prefixes import entries_found
 
     assert entries_found({b"k": b"\x00garbage", b"j": b""}) == {}
 
 
-# -- issue 16: clients that echo earlier output by reference ------------------------
+# -- clients that echo earlier output by reference ------------------------
 
 def test_an_item_reference_to_an_output_item_equals_that_item():
     planner, upstream = Planner(), ReferenceUpstream()
@@ -547,14 +549,14 @@ def test_an_item_reference_to_an_output_item_equals_that_item():
 
 
 def test_a_reference_the_store_resolves_after_a_restart():
-    from stateful_responses.state import ENTRIES, REFS, entries_found
+    from stateful_responses.forward.prefixes import ENTRIES, REFS, entries_found
 
     first, upstream = Planner(), ReferenceUpstream()
     conv = [{"role": "user", "content": "x"}]
     _, response, _ = send(first, upstream, "k", conv, tool_output(1))
     writes = first.take_writes()
     second = Planner()
-    second.use_secret(first._secret)
+    second.tenancy.use_secret(first.tenancy.secret)
     call = response["output"][0]
     items = conv + [{"type": "item_reference", "id": call["id"]},
                     {"type": "function_call_output", "call_id": call["call_id"], "output": "ok"}]

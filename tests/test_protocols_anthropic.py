@@ -7,7 +7,7 @@ import json
 
 import pytest
 from protocols_support import lift, lift_answer, sse_bytes
-from stateful_responses.protocols import AnswerLifter, detect, lift_request
+from stateful_responses.record.protocols import AnswerLifter, detect, lift_request
 
 URL = "https://api.anthropic.com/v1/messages"
 

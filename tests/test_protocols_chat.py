@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from openai.lib.streaming._deltas import accumulate_delta as sdk_accumulate_delta
 from protocols_support import lift, lift_answer, sse_bytes
-from stateful_responses.protocols import AnswerLifter, detect, lift_request
-from stateful_responses.protocols.chat import accumulate_delta
+from stateful_responses.record.protocols import AnswerLifter, detect, lift_request
+from stateful_responses.record.protocols.chat import accumulate_delta
 
 URL = "https://api.openai.com/v1/chat/completions"
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 from protocols_support import lift, lift_answer, same, sse_bytes
-from stateful_responses.protocols import AnswerLifter, detect, lift_request
+from stateful_responses.record.protocols import AnswerLifter, detect, lift_request
 
 BASE = "https://generativelanguage.googleapis.com/v1beta/models/gemini-x"
 URL = BASE + ":generateContent"

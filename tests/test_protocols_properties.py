@@ -8,7 +8,7 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from stateful_responses.items import canonical_json
-from stateful_responses.protocols import MODULES, AnswerLifter, LiftedAnswer, LiftedRequest, detect, lift_request
+from stateful_responses.record.protocols import MODULES, AnswerLifter, LiftedAnswer, LiftedRequest, detect, lift_request
 
 PROTOCOLS = list(MODULES)
 URLS = {

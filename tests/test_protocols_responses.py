@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from protocols_support import lift, lift_answer, sse_bytes
 from stateful_responses.emulator import sse_events
 from stateful_responses.items import normalize_item
-from stateful_responses.planner import Planner, Reading, Request
-from stateful_responses.protocols import AnswerLifter, detect, lift_request, responses
+from stateful_responses.reading import Reader, Reading, Request
+from stateful_responses.record.protocols import AnswerLifter, detect, lift_request, responses
 
 URL = "https://api.openai.com/v1/responses"
 OUTPUT = [
@@ -125,7 +125,7 @@ def test_lifting_from_the_planners_reading_equals_lifting_the_body(items):
     (only the tail's shapes read); the result is the full lift's."""
     doc = {"model": "m", "instructions": "Be brief.", "input": items}
     body = json.dumps(doc).encode()
-    reading = Planner().read(Request("POST", URL, {"authorization": "Bearer k"}, body))
+    reading = Reader().read(Request("POST", URL, {"authorization": "Bearer k"}, body))
     assert isinstance(reading, Reading)
     fast = responses.lift_read({"model": "m", "instructions": "Be brief."}, reading.raw_items, reading.digests)
     full = lift("openai-responses", URL, body)

@@ -1,4 +1,4 @@
-"""The continuation record (issue 12, seed 003) through real mitmdump: every
+"""The continuation record (seed 003) through real mitmdump: every
 LLM API flow gets the seed's record and a mapping audit, in flow.metadata, in
 flows saved with -w, in the record file, and as a chain tag in its comment."""
 

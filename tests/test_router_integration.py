@@ -1,4 +1,4 @@
-"""The router (issue 12) through real mitmdump over three emulators, each with
+"""The router through real mitmdump over three emulators, each with
 its own store: chains stay where their state is, new chains spread, and one
 upstream stopping mid-run costs no client an error or its context."""
 

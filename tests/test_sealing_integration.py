@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 from driver import ChainedConversation, assert_chain_context_preserved, httpx, tenant_of
-from stateful_responses.turns import TURNS
+from stateful_responses.store_emulation.turns import TURNS
 
 MARKER = "Zebra-7f3a-Marker"
 
@@ -100,7 +100,7 @@ def test_a_sealed_turn_moved_under_another_id_or_read_by_another_tenant_fails_cl
 async def _plant(path, key: str, source: str, target: str) -> None:
     """Copy the sealed record of ``source`` under the key of ``target``, as
     someone holding the file (and its secret) might."""
-    from stateful_responses.storage.sqlite import SQLiteStorage
+    from stateful_responses.state.storage.sqlite import SQLiteStorage
 
     storage = SQLiteStorage(str(path))
     await storage.open()

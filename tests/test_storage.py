@@ -18,7 +18,7 @@ import redis.asyncio
 from harness import ROOT
 from redis.crc import key_slot
 from redis_server import start_redis_server
-from stateful_responses.storage import (
+from stateful_responses.state.storage import (
     DEFAULT_SQLITE_FILE,
     Batch,
     StorageError,
@@ -26,9 +26,9 @@ from stateful_responses.storage import (
     open_storage,
     parse_store_spec,
 )
-from stateful_responses.storage.memory import MemoryStorage
-from stateful_responses.storage.redis import RedisStorage
-from stateful_responses.storage.sqlite import GET, SQLiteStorage
+from stateful_responses.state.storage.memory import MemoryStorage
+from stateful_responses.state.storage.redis import RedisStorage
+from stateful_responses.state.storage.sqlite import GET, SQLiteStorage
 
 LIMITS = {"small": 3}
 BINARY = {b"": b"", b"\x00": b"\x00\xff", bytes(range(32)): bytes(range(256)), b"\xff" * 32: b"v" * 100_000}
@@ -238,7 +238,7 @@ async def test_table_names_are_plain(storage, table):
 CHILD = f"""
 import asyncio, sys
 sys.path.insert(0, {str(ROOT / "addon")!r})
-from stateful_responses.storage import open_storage
+from stateful_responses.state.storage import open_storage
 
 async def main(spec, command, *args):
     storage = open_storage(spec, ".", {{}})
@@ -409,8 +409,8 @@ async def test_another_schema_version_is_refused(make_sqlite, sqlite_path):
 DISK_FULL_CHILD = f"""
 import asyncio, json, os, resource, sys
 sys.path.insert(0, {str(ROOT / "addon")!r})
-from stateful_responses.storage import StorageError
-from stateful_responses.storage.sqlite import GET, SQLiteStorage
+from stateful_responses.state.storage import StorageError
+from stateful_responses.state.storage.sqlite import GET, SQLiteStorage
 
 async def main(path):
     storage = SQLiteStorage(path)

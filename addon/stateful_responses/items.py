@@ -31,7 +31,7 @@ Anything else, including ``phase``, roles, text, reasoning items and their
 
 Items whose meaning depends on the JSON parser (duplicate keys, lone
 surrogates, numbers a parser would round, NaN) are ``Ambiguous``: the addon
-never changes a body holding one (issue 17).
+never changes a body holding one.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def missing_dependency_message(module: str) -> str:
 
 
 try:
-    from stateful_responses.addon import make_addons
+    from stateful_responses.pipeline import make_addons
 except ModuleNotFoundError as error:
     missing = (error.name or "").partition(".")[0]
     if not missing or missing == "stateful_responses":

@@ -5,22 +5,19 @@ and, on a value it cannot parse, silently skips the whole script; misspelled
 names are ignored. This addon runs first: it parses every deferred value of
 ours, registers the options, and makes mitmdump exit naming the option when a
 value is bad or a ``stateful_*`` name unknown. The parsed ``Settings`` go to
-the planner, which every other addon of ours shares.
+the ``Config`` every other addon of ours holds.
 """
 
 from __future__ import annotations
 
 from mitmproxy import ctx, exceptions
 
-from .planner import Planner
-from .recorder import Recorder
-from .settings import LIST_OPTIONS, OPTIONS, PARSERS, Settings, SettingsError, unknown_names
+from .settings import LIST_OPTIONS, OPTIONS, PARSERS, Config, Settings, SettingsError, unknown_names
 
 
 class Options:
-    def __init__(self, planner: Planner, recorder: Recorder) -> None:
-        self.planner = planner
-        self.recorder = recorder
+    def __init__(self, config: Config) -> None:
+        self.config = config
         self._errors: list[str] = []
 
     def load(self, loader) -> None:
@@ -69,5 +66,4 @@ class Options:
             settings = Settings.from_options({n: getattr(ctx.options, n) for n in PARSERS})
         except SettingsError as e:
             raise exceptions.OptionsError(str(e)) from None
-        self.planner.reconfigure(settings)
-        self.recorder.ttl, self.recorder.max_depth = self.planner.ttl, settings.max_depth
+        self.config.update(settings)

@@ -8,11 +8,12 @@ error that names the option.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from .storage import parse_store_spec
+from .state.storage import parse_store_spec
 
 PREFIX = "stateful_"
 _TRUE = {"true", "1", "yes", "on", ""}
@@ -166,6 +167,30 @@ class Settings:
         return any(
             model.startswith(p[:-1]) if p.endswith("*") else model == p for p in self.models
         )
+
+
+@dataclass
+class Config:
+    """The settings in force and the clock: one object every addon holds, so
+    that a ``--set`` at run time reaches all of them at once."""
+
+    settings: Settings = field(default_factory=Settings)
+    clock: Callable[[], float] = field(default=time.time, repr=False)
+    _changed: list[Callable[[Settings, Settings], None]] = field(default_factory=list, repr=False)
+
+    def on_change(self, callback: Callable[[Settings, Settings], None]) -> None:
+        """Call ``callback(old, new)`` whenever the settings change."""
+        self._changed.append(callback)
+
+    def update(self, settings: Settings) -> None:
+        old, self.settings = self.settings, settings
+        for callback in self._changed:
+            callback(old, settings)
+
+    @property
+    def ttl(self) -> float:
+        """Seconds before anything remembered expires."""
+        return self.settings.ttl_days * 86400.0
 
 
 def unknown_names(names: Iterable[str]) -> list[str]:

@@ -7,7 +7,7 @@ it only looks. If anything about the answer cannot be read (unknown encoding,
 oversized event, broken JSON), it gives up quietly and the answer is simply not
 learned from. What it reads is read strictly (``items.strict_loads``): an answer
 that another client's parser could read differently (duplicate keys, lone
-surrogates, invalid UTF-8) teaches nothing (issue 17).
+surrogates, invalid UTF-8) teaches nothing.
 """
 
 from __future__ import annotations

@@ -11,9 +11,8 @@ import json
 
 from mitmproxy import contentviews
 
-META = "stateful"
-CLIENT_BODY = "stateful_client_body"  # flow.metadata: the client's body, when we changed it
-RECORD = "continuation"  # flow.metadata: the continuation record (record.py)
+from .flows import AUDIT, CLIENT_BODY, CONTINUATION, DECISION
+
 NAME = "Stateful Responses"
 
 
@@ -25,11 +24,11 @@ def _pretty(data: bytes) -> str:
 
 
 def _record_lines(flow) -> list[str]:
-    record = flow.metadata.get(RECORD)
+    record = flow.metadata.get(CONTINUATION)
     if not record:
         return []
     lines = ["", "--- continuation record ---", json.dumps(record, indent=2)]
-    mapping = (flow.metadata.get("audit") or {}).get("protocolMapping") or {}
+    mapping = (flow.metadata.get(AUDIT) or {}).get("protocolMapping") or {}
     for disposition, entries in mapping.items():
         for entry in entries:
             lines.append(f"{disposition}: {entry['field']}: {entry['reason']} ({entry['source']})")
@@ -37,9 +36,9 @@ def _record_lines(flow) -> list[str]:
 
 
 def render(flow, data: bytes) -> str:
-    if META not in flow.metadata:  # another protocol's call: its record and its body
+    if DECISION not in flow.metadata:  # another protocol's call: its record and its body
         return "\n".join(_record_lines(flow)[1:] + ["", f"--- body ({len(data)} bytes) ---", _pretty(data)])
-    decision = flow.metadata.get(META, {})
+    decision = flow.metadata.get(DECISION, {})
     lines = [f"decision: {decision.get('action', '?')} ({decision.get('reason', '')})"]
     if decision.get("previous_response_id"):
         lines.append(f"previous_response_id: {decision['previous_response_id']}")
@@ -62,7 +61,7 @@ def render(flow, data: bytes) -> str:
 
 
 def _ours(flow) -> bool:
-    return flow is not None and (META in flow.metadata or bool(flow.metadata.get(RECORD)))
+    return flow is not None and (DECISION in flow.metadata or bool(flow.metadata.get(CONTINUATION)))
 
 
 def _is_our_request(flow, message) -> bool:

@@ -1,4 +1,4 @@
-"""The continuation record's mitmproxy glue (issue 12, seed 003).
+"""The continuation record's mitmproxy glue (seed 003).
 
 Every flow that is an LLM API call (OpenAI Responses, Chat Completions,
 Anthropic Messages, Gemini) gets ``flow.metadata["continuation"]`` and
@@ -24,21 +24,19 @@ from collections import OrderedDict
 import msgspec
 from mitmproxy import ctx, http
 
-from .continuation import CHAIN_TIPS, ChainIndex, Turn, audit_entry, chain_tag
-from .emulation import EMULATION
-from .glue import HELD, RETRY_OF, internal_error, request_of
-from .items import Ambiguous
-from .planner import Planner, Reading
+from ..counters import Counters
+from ..flows import AUDIT, CONTINUATION, DECISION, EMULATION, HELD, RETRY_OF, ROUTED, internal_error, request_of
+from ..items import Ambiguous
+from ..reading import Reader, Reading
+from ..settings import Config
+from ..sse import LiftReader
+from ..state.access import StateAccess
+from ..tenancy import Tenancy, credential_material
+from .index import CHAIN_TIPS, ChainIndex, Turn, audit_entry, chain_tag
 from .protocols import AnswerLifter, LiftedRequest, detect, lift_request, responses
-from .router import ROUTED
-from .sse import LiftReader
-from .statestore import StateStore
-from .view import META
 
 logger = logging.getLogger(__name__)
 
-CONTINUATION = "continuation"
-AUDIT = "audit"
 MAX_TURNS = 10_000
 SPANS = frozenset({"input", "tools", "metadata", "text", "include", "reasoning"})  # big or irrelevant: not decoded
 
@@ -79,8 +77,12 @@ class RecordFile:
 
 
 class ContinuationRecord:
-    def __init__(self, planner: Planner, state: StateStore, index: ChainIndex) -> None:
-        self.planner = planner
+    def __init__(self, config: Config, counters: Counters, tenancy: Tenancy, reader: Reader, state: StateAccess,
+                 index: ChainIndex) -> None:
+        self.config = config
+        self.counters = counters
+        self.tenancy = tenancy
+        self.reader = reader
         self.state = state
         self.index = index
         self.file = RecordFile()
@@ -89,23 +91,22 @@ class ContinuationRecord:
     def configure(self, updated: set[str]) -> None:
         if "stateful_record_file" in updated:
             self.file.configure(ctx.options.stateful_record_file)
-        self.index.ttl = self.planner.ttl
 
     def done(self) -> None:
         self.file.close()
 
     async def request(self, flow: http.HTTPFlow) -> None:
-        if not self.planner.settings.enabled or flow.metadata.get(RETRY_OF) is not None:
+        if not self.config.settings.enabled or flow.metadata.get(RETRY_OF) is not None:
             return
         protocol = detect(flow.request.method, flow.request.url)
         if protocol is None:
             return
         await self.state.ready()
         try:
-            credential = self.planner.credential_material(request_of(flow))
+            credential = credential_material(request_of(flow))
             try:
                 lifted = self._lift(protocol, flow)
-                turn = None if lifted is None else self.index.begin(lifted, credential, self.planner.secret,
+                turn = None if lifted is None else self.index.begin(lifted, credential, self.tenancy.secret,
                                                                      flow_id=flow.id, upstream=_upstream(flow))
             except (Ambiguous, RecursionError):  # read differently elsewhere, or nested past any sense
                 turn = None
@@ -126,13 +127,13 @@ class ContinuationRecord:
             flow.metadata[AUDIT] = {"protocolMapping": turn.audit()}
             flow.comment = chain_tag(turn.chain_id)
         except Exception:
-            internal_error(self.planner.counters, "lifting a request")
+            internal_error(self.counters, "lifting a request")
 
     def _lift(self, protocol: str, flow: http.HTTPFlow) -> LiftedRequest | None:
-        """The request lifted; a Responses request through the planner's own
+        """The request lifted; a Responses request through the shared reader's
         reading (its items' digests are cached), never parsed twice."""
         if protocol == "openai-responses":
-            reading = self.planner.read(request_of(flow), count=False)
+            reading = self.reader.read(request_of(flow), count=False)
             if isinstance(reading, Reading) and reading.raw_items is not None:
                 small = {k: msgspec.json.decode(v) for k, v in reading.fields.items() if k not in SPANS}
                 return responses.lift_read(small, reading.raw_items, reading.digests)
@@ -155,7 +156,7 @@ class ContinuationRecord:
 
             flow.response.stream = tap
         except Exception:
-            internal_error(self.planner.counters, "tapping an answer to lift")
+            internal_error(self.counters, "tapping an answer to lift")
 
     @property
     def answers(self) -> RecordAnswers:
@@ -174,7 +175,7 @@ class ContinuationRecord:
             answer = reader.finish() if flow.response.status_code < 300 else None
             self._finish(flow, turn, answer)
         except Exception:
-            internal_error(self.planner.counters, "recording a turn")
+            internal_error(self.counters, "recording a turn")
 
     def finish_error(self, flow: http.HTTPFlow) -> None:
         entry = self._turns.pop(flow.id, None)
@@ -182,7 +183,7 @@ class ContinuationRecord:
             try:
                 self._finish(flow, entry[0], None)
             except Exception:
-                internal_error(self.planner.counters, "recording a failed turn")
+                internal_error(self.counters, "recording a failed turn")
 
     def _finish(self, flow: http.HTTPFlow, turn: Turn, answer) -> None:
         turn.changes += _changes_made(flow, turn.protocol)
@@ -229,7 +230,7 @@ def _upstream(flow: http.HTTPFlow) -> str:
 def _changes_made(flow: http.HTTPFlow, protocol: str) -> list:
     """Audit entries for what our own addons changed in this flow."""
     changes = []
-    decision = flow.metadata.get(META) or {}
+    decision = flow.metadata.get(DECISION) or {}
     if decision.get("action") == "continue":
         changes.append(audit_entry(
             "input", "preserved",

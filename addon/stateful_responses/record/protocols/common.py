@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from blake3 import blake3
 
-from ..items import canonical_json
+from ...items import canonical_json
 
 Protocol = Literal["openai-responses", "openai-chat", "anthropic-messages", "gemini-chat"]
 Disposition = Literal["preserved", "lossy", "dropped", "unsupported"]

@@ -19,19 +19,16 @@ from urllib.parse import urlsplit
 from mitmproxy import command, ctx, http
 from mitmproxy.utils import human
 
-from .glue import HELD, RETRY_OF, Replays, end_still_to_come, hold, internal_error, request_of
-from .planner import (
-    TRANSIENT_STATUSES,
-    Outcome,
-    Plan,
-    Planner,
-    plan_summary,
-    upstream_of,
-)
-from .sse import AnswerReader
-from .state import REFS
-from .statestore import StateStore
-from .view import CLIENT_BODY, META, register, unregister
+from ..flows import CLIENT_BODY, DECISION, HELD, RETRY_OF, end_still_to_come, hold, internal_error, request_of
+from ..reading import upstream_of
+from ..replays import Replays
+from ..sse import AnswerReader
+from ..state.access import StateAccess
+from ..tenancy import credential_material
+from ..upstreams import TRANSIENT_STATUSES
+from ..view import register, unregister
+from .planner import Outcome, Plan, Planner, plan_summary
+from .prefixes import ENTRIES, REFS, entries_found
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +81,7 @@ class ForwardMode:
     """Forward mode: full-history requests continued with previous_response_id
     when, and only when, the upstream provably stored the prefix."""
 
-    def __init__(self, planner: Planner, state: StateStore, replays: Replays) -> None:
+    def __init__(self, planner: Planner, state: StateAccess, replays: Replays) -> None:
         self.planner = planner
         self.state = state
         self.replays = replays
@@ -158,7 +155,7 @@ class ForwardMode:
         if flow.request.method.upper() == "GET":
             self._watch_poll(flow)
             return
-        if META in flow.metadata or flow.request.raw_content is None:
+        if DECISION in flow.metadata or flow.request.raw_content is None:
             return  # planned while streamed, or streamed past the addon
         await self.state.ready()
         try:
@@ -173,7 +170,7 @@ class ForwardMode:
                     body = self._plan(flow, client)
                     pending = self._pending.get(flow.id)
             if pending is not None and (keys := self.planner.lookups(pending.plan)):
-                body = self._improve(flow, pending, await self.state.entries(keys)) or body
+                body = self._improve(flow, pending, entries_found(await self.state.get(ENTRIES, keys))) or body
             if body is not None:
                 flow.request.content = body
         except Exception:
@@ -187,7 +184,7 @@ class ForwardMode:
         self.planner.improve(plan, found)
         if plan.previous_response_id == before:
             return None
-        flow.metadata[META] = _metadata(plan)
+        flow.metadata[DECISION] = _metadata(plan)
         flow.comment = plan_summary(plan)
         flow.marked = MARKS.get(plan.action, "")
         if pending.original is None:
@@ -205,7 +202,7 @@ class ForwardMode:
         plan = self.planner.plan(request_of(flow, original), rewrite=retry_of is None)
         if plan.upstream == "":
             return None  # not a Responses API request: no trace at all
-        flow.metadata[META] = _metadata(plan)
+        flow.metadata[DECISION] = _metadata(plan)
         if retry_of is None:
             flow.comment = plan_summary(plan)
             flow.marked = MARKS.get(plan.action, "")
@@ -238,7 +235,7 @@ class ForwardMode:
         if match is None or self.planner.background.get(match["id"]) is None:
             return
         upstream = f"{url.scheme}://{url.netloc}{match['base']}"
-        scope, _ = self.planner.scope(upstream, self.planner.credential_material(request_of(flow)))
+        scope, _ = self.planner.tenancy.scope(upstream, credential_material(request_of(flow)))
         self._polls[flow.id] = (match["id"], scope)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
@@ -306,7 +303,7 @@ class ForwardMode:
             outcome = self.planner.abandon(pending.plan, "no answer from the upstream")
             self.state.flush()
             self._debug("dropped: %s", outcome.detail)
-            flow.metadata[META] = _metadata(pending.plan, outcome)
+            flow.metadata[DECISION] = _metadata(pending.plan, outcome)
         except Exception:
             self._internal_error("handling a failed flow")
 
@@ -345,7 +342,7 @@ class ForwardMode:
             reader.feed(flow.response.raw_content or b"")
         response = reader.finish()
         outcome = self.planner.settle(pending.plan, flow.response.status_code, response)
-        flow.metadata[META] = _metadata(pending.plan, outcome)
+        flow.metadata[DECISION] = _metadata(pending.plan, outcome)
         if outcome.kind == "advanced":
             self._debug("advanced: %s %s", outcome.response_id, outcome.detail)
         elif outcome.kind == "unsupported":
@@ -369,7 +366,7 @@ class ForwardMode:
         answer, failure = await self.replays.send(flow, pending.original, f"original body after {rejected}")
         flow.response = answer
         flow.marked = ":warning:"
-        flow.metadata[META]["retried_after"] = rejected
+        flow.metadata[DECISION]["retried_after"] = rejected
         summary = plan_summary(pending.plan)
         if failure is None:
             self.planner.retried(pending.plan, answer.status_code)

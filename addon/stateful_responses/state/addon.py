@@ -1,5 +1,5 @@
 """The mitmproxy side of the backing store: connect, share the secret and the
-marks, write the planner's outbox, read what memory lacks, and carry on from
+marks, write every outbox, read what memory lacks, and carry on from
 memory through any outage.
 
 Nothing here blocks the event loop: the backends are async (SQLite runs in its
@@ -14,16 +14,14 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
-from typing import Protocol
 
 from mitmproxy import command, ctx
 
-from .continuation import CHAIN_RESPONSES, CHAIN_TIPS, CHAIN_TURNS
-from .planner import Planner
-from .settings import Settings
-from .state import ENTRIES, MARKS, REFS, StoredEntry, Write, entries_found
+from ..settings import Config, Settings
+from ..tenancy import Tenancy
+from ..upstreams import MARKS, Upstreams
+from .outbox import Remembers, Write
 from .storage import Batch, Storage, StorageError, open_storage
-from .turns import ITEMS, TURNS, conflict
 
 logger = logging.getLogger(__name__)
 
@@ -35,18 +33,15 @@ READY_WAIT = 2.0  # at start, requests wait this long at most for the store
 DRAIN_WAIT = 3.0  # at shutdown, the last writes get this long
 
 
-class Remembers(Protocol):
-    """What keeps state for the store: an outbox of writes, and a way to forget."""
-
-    def take_writes(self) -> list[Write]: ...
-
-    def clear(self) -> None: ...
-
-
 class StateStore:
-    def __init__(self, planner: Planner, *others: Remembers) -> None:
-        self.planner = planner
-        self.sources: tuple[Remembers, ...] = (planner, *others)
+    """The backing store, as the other addons see it: ``get`` what memory
+    lacks, ``flush`` what they learned, ``written`` to wait for it."""
+
+    def __init__(self, config: Config, tenancy: Tenancy, upstreams: Upstreams, *others: Remembers) -> None:
+        self.config = config
+        self.tenancy = tenancy
+        self.upstreams = upstreams
+        self.sources: tuple[Remembers, ...] = (upstreams, *others)
         self.storage: Storage | None = None
         self.up = False  # connected, secret loaded: reads and writes go to the store
         self._queue: asyncio.Queue[tuple[list[Write], asyncio.Future]] | None = None
@@ -84,7 +79,7 @@ class StateStore:
         storage, self.storage, self.up = self.storage, None, False
         if storage is not None:
             if unwritten:
-                _drain(storage.name, self.planner.settings, unwritten)
+                _drain(storage.name, self.config.settings, self._limits(), unwritten)
             asyncio.get_running_loop().create_task(self._close_quietly(storage))
 
     def _unwritten(self) -> list[Write]:
@@ -106,21 +101,21 @@ class StateStore:
     async def _keep_connected(self) -> None:
         """Connect, share the secret and marks; while up, read other
         processes' marks now and then; after a failure, try again."""
-        s = self.planner.settings
+        s = self.config.settings
         confdir = os.path.expanduser(ctx.options.confdir)
         while True:
             try:
                 if not self.up:
                     if self.storage is None:
-                        self.storage = open_storage(s.store, confdir, _limits(s.store),
+                        self.storage = open_storage(s.store, confdir, self._limits(),
                                                     max_bytes=s.store_max_mb * 1024 * 1024)
                     await self.storage.open()
-                    self.planner.use_secret(await self.storage.secret())
-                    self.planner.marks.load(await self.storage.scan(MARKS))
+                    self.tenancy.use_secret(await self.storage.secret())
+                    self.upstreams.load(await self.storage.scan(MARKS))
                     self.up = True
                     self._recovered()
                 else:
-                    self.planner.marks.load(await self.storage.scan(MARKS))
+                    self.upstreams.load(await self.storage.scan(MARKS))
             except StorageError as e:
                 self._failed(e)
             if self._attempted is not None:
@@ -131,7 +126,7 @@ class StateStore:
         self.up = False
         if not self._warned:
             self._warned = True
-            name = self.storage.name if self.storage is not None else self.planner.settings.store
+            name = self.storage.name if self.storage is not None else self.config.settings.store
             logger.warning("stateful-responses: state store %s unavailable (%s); working from memory "
                            "until it is back", name, error)
 
@@ -183,11 +178,8 @@ class StateStore:
         self._worked()
         return records
 
-    async def entries(self, keys: Sequence[bytes]) -> dict[bytes, StoredEntry]:
-        return entries_found(await self.get(ENTRIES, keys))
-
     def flush(self) -> asyncio.Future | None:
-        """Queue the planner's outbox for the store; the future is done once
+        """Queue every outbox for the store; the future is done once
         written (or dropped: the store is down). None when nothing to write."""
         writes = [w for source in self.sources for w in source.take_writes()]
         if not writes or self._queue is None:
@@ -223,6 +215,13 @@ class StateStore:
                     if not future.done():
                         future.set_result(None)
 
+    def _limits(self) -> dict[str, int]:
+        """Records per table: what each source declares for a store on disk
+        or on a server; the memory store keeps a tenth of the large tables."""
+        memory = self.config.settings.store.strip() == "memory"
+        return {table: min(n, max(n // 10, 10_000)) if memory else n
+                for source in self.sources for table, n in source.tables.items()}
+
     # -- commands ----------------------------------------------------------------
 
     @command.command("stateful.clear")
@@ -241,7 +240,7 @@ class StateStore:
             self._failed(e)
 
 
-def _drain(name: str, settings: Settings, writes: list[Write]) -> None:
+def _drain(name: str, settings: Settings, limits: dict[str, int], writes: list[Write]) -> None:
     """Apply the last writes at shutdown (or when the store changes). The hook
     that stops us cannot wait on the event loop, so they go through a store
     of their own on a thread of their own, for at most DRAIN_WAIT seconds."""
@@ -249,7 +248,7 @@ def _drain(name: str, settings: Settings, writes: list[Write]) -> None:
         return  # nothing outlives the process anyway
 
     async def write() -> None:
-        storage = open_storage(settings.store, os.path.expanduser(ctx.options.confdir), _limits(settings.store),
+        storage = open_storage(settings.store, os.path.expanduser(ctx.options.confdir), limits,
                                max_bytes=settings.store_max_mb * 1024 * 1024)
         try:
             await storage.open()
@@ -268,18 +267,9 @@ def _drain(name: str, settings: Settings, writes: list[Write]) -> None:
     thread.join(DRAIN_WAIT)
 
 
-def _limits(spec: str) -> dict[str, int]:
-    """Records per table: memory holds a tenth of what a store on disk or on a
-    server may."""
-    scale = 1 if spec.strip() == "memory" else 10
-    return {ENTRIES: 100_000 * scale, REFS: 100_000 * scale, MARKS: 10_000, TURNS: 100_000 * scale,
-            ITEMS: 400_000 * scale, CHAIN_TURNS: 100_000 * scale, CHAIN_RESPONSES: 100_000 * scale,
-            CHAIN_TIPS: 100_000 * scale}
-
-
 async def _apply(storage: Storage, writes: list[Write]) -> None:
     """Apply writes in one batch: what counts is each key's last write, so
-    puts are grouped by table and expiry, deletes by table; a turn that must
+    puts are grouped by table and expiry, deletes by table; a record that must
     not replace another is checked on its own first."""
     last: dict[tuple[str, bytes], Write] = {}
     for write in writes:
@@ -288,8 +278,8 @@ async def _apply(storage: Storage, writes: list[Write]) -> None:
     puts: dict[tuple[str, float], dict[bytes, bytes]] = {}
     deletes: dict[str, list[bytes]] = {}
     for write in last.values():
-        if write.new and write.value is not None:
-            write = await _unless_conflicting(storage, write)
+        if write.merge is not None and write.value is not None:
+            write = await _merged(storage, write)
         if write.value is None:
             deletes.setdefault(write.table, []).append(write.key)
         else:
@@ -298,15 +288,15 @@ async def _apply(storage: Storage, writes: list[Write]) -> None:
                               deletes=list(deletes.items())))
 
 
-async def _unless_conflicting(storage: Storage, write: Write) -> Write:
-    """A turn whose id is already recorded with other content (an upstream
-    reusing ids) is replaced by a tombstone: continuing from it is then "not
-    found", never someone else's context."""
-    assert write.value is not None
+async def _merged(storage: Storage, write: Write) -> Write:
+    """A record that is already stored with another value (an upstream reusing
+    ids) becomes what the write's ``merge`` says: continuing from it is then
+    "not found", never someone else's context."""
+    assert write.value is not None and write.merge is not None
     existing = (await storage.get(write.table, [write.key])).get(write.key)
-    tombstone = conflict(existing, write.value) if existing is not None else None
-    if tombstone is None:
+    merged = write.merge(existing, write.value) if existing is not None else None
+    if merged is None:
         return write
     logger.warning("stateful-responses: response %s was recorded before with other content; both dropped "
                    "(continuing from it is 'not found')", write.label)
-    return Write(write.table, write.key, tombstone, write.ttl)
+    return Write(write.table, write.key, merged, write.ttl)

@@ -7,7 +7,7 @@ content-addressed, so a full-history client's conversation costs its distinct
 items, not turns x history; a full-history turn names the earlier turn whose
 input its own input extends (``input_base``) and adds only the rest.
 
-Everything that is content is sealed (issue 14) with ChaCha20-Poly1305 under a
+Everything that is content is sealed with ChaCha20-Poly1305 under a
 key derived from the request's credential material and the store's secret; the
 key is never stored, so a copied store (file, dump, backup) reveals nothing
 without the tenant's credential. The record's key is bound into the
@@ -26,7 +26,7 @@ from blake3 import blake3
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
-from .entropy import random_bytes
+from ..entropy import random_bytes
 
 TURNS = "turns"  # turn key -> TurnHeader (body sealed)
 ITEMS = "items"  # item key -> sealed item JSON

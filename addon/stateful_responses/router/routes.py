@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .state import Bounded
+from ..bounded import Bounded
 
 DOWN_FOR = 10.0  # seconds an upstream that failed is avoided
 PROBE_AFTER = 1.0  # an upstream unheard of for this long is probed before use

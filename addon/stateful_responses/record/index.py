@@ -16,7 +16,6 @@ through an outbox and misses are looked up by the glue (as ``planner.py``).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,10 +23,12 @@ from typing import Any
 import msgspec
 from blake3 import blake3
 
-from .entropy import random_bytes
-from .items import Ambiguous, ItemSequence, canonical_json
+from ..bounded import Bounded
+from ..entropy import random_bytes
+from ..items import Ambiguous, ItemSequence, canonical_json
+from ..settings import Config
+from ..state.outbox import Outbox, Write
 from .protocols import AuditEntry, LiftedAnswer, LiftedRequest
-from .state import Bounded, Outbox, Write
 
 CHAIN_TURNS = "chain-turns"  # digest of a turn's messages + answer -> TurnRef
 CHAIN_RESPONSES = "chain-responses"  # a response id, per credential -> TurnRef
@@ -139,12 +140,13 @@ class Turn:
 class ChainIndex:
     """Which turn a request continues, and which chain that makes it."""
 
-    ttl: float
-    clock: Callable[[], float] = field(default=time.time, repr=False)
+    config: Config = field(default_factory=Config)
     turns: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)  # digest -> TurnRef
     responses: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)  # key -> TurnRef
     tips: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)  # chain id -> turn id
     _outbox: Outbox = field(default_factory=Outbox, repr=False)
+
+    tables = {CHAIN_TURNS: 1_000_000, CHAIN_RESPONSES: 1_000_000, CHAIN_TIPS: 1_000_000}
 
     def take_writes(self) -> list[Write]:
         return self._outbox.take()
@@ -225,7 +227,7 @@ class ChainIndex:
         """The turn is on its way upstream: it is its chain's tip now, so a
         second request continuing the same turn is a fork."""
         self.tips.put(turn.chain_id, turn.turn_id)
-        self._outbox.append(Write(CHAIN_TIPS, turn.chain_id.encode(), turn.turn_id.encode(), self.ttl))
+        self._outbox.append(Write(CHAIN_TIPS, turn.chain_id.encode(), turn.turn_id.encode(), self.config.ttl))
 
     def finish(self, turn: Turn, answer: LiftedAnswer | None) -> None:
         """The answer arrived: a completed one makes the turn continuable."""
@@ -241,11 +243,11 @@ class ChainIndex:
         if digests:
             key = turn.sequence.extended(digests).digests[-1]
             self.turns.put(key, ref)
-            self._outbox.append(Write(CHAIN_TURNS, key, value, self.ttl))
+            self._outbox.append(Write(CHAIN_TURNS, key, value, self.config.ttl))
         if answer.response_id:
             key = turn.responses_key(answer.response_id)
             self.responses.put(key, ref)
-            self._outbox.append(Write(CHAIN_RESPONSES, key, value, self.ttl))
+            self._outbox.append(Write(CHAIN_RESPONSES, key, value, self.config.ttl))
 
 
 

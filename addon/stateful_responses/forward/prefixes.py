@@ -15,14 +15,16 @@ most ``max_entries_per_branch`` entries (its newest), so memory is bounded by
 Each entry also expires (the upstream forgets stored responses after a while).
 
 This is the in-process cache of what the addon knows; the backing store
-(``storage``) holds the same entries for other processes and restarts.
+holds the same entries (``StoredEntry``) for other processes and restarts.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+import msgspec
 
 
 @dataclass(eq=False)
@@ -142,3 +144,42 @@ class PrefixStore:
         for digest in branch.entries:
             self._entries.pop(digest, None)
         branch.entries.clear()
+
+
+ENTRIES = "entries"  # sequence digest -> StoredEntry
+REFS = "refs"  # namespace + output item id -> that item's digest (item_reference resolution)
+
+
+class StoredEntry(msgspec.Struct, array_like=True, frozen=True):
+    """A prefix-store entry as stored: which response stores a sequence."""
+
+    response_id: str
+    length: int
+    scope: str
+    expires: float
+
+
+_ENTRY = msgspec.msgpack.Decoder(StoredEntry)
+_ENCODE = msgspec.msgpack.Encoder().encode
+
+
+def encode_entry(entry: StoredEntry) -> bytes:
+    return _ENCODE(entry)
+
+
+def decode_entry(data: bytes) -> StoredEntry | None:
+    """None for a record this version cannot read (never an exception)."""
+    try:
+        return _ENTRY.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def entries_found(records: Mapping[bytes, bytes]) -> dict[bytes, StoredEntry]:
+    """The readable entries among records read from the store."""
+    found = {}
+    for key, value in records.items():
+        entry = decode_entry(value)
+        if entry is not None:
+            found[key] = entry
+    return found

@@ -1,4 +1,4 @@
-"""Store emulation's mitmproxy glue (issue 11, seed 000): clients that send
+"""Store emulation's mitmproxy glue: clients that send
 ``previous_response_id`` keep working where the upstream stores nothing,
 forgets, or silently ignores the field.
 
@@ -33,20 +33,23 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from mitmproxy import http
 
-from .chain import ChainError
-from .glue import HELD, RETRY_OF, Replays, end_still_to_come, hold, internal_error, request_of
-from .planner import TRANSIENT_STATUSES, Plan, Planner, Reading, splice
-from .recorder import Recorder, Turn, listed_items, response_json, string_input_item
-from .router import ROUTED
-from .sse import AnswerReader
-from .statestore import StateStore
-from .storage import StorageError
+from ..counters import Counters
+from ..flows import CLIENT_BODY, EMULATION, HELD, RETRY_OF, ROUTED, end_still_to_come, hold, internal_error, \
+    request_of
+from ..reading import Reader, Reading, Skip, splice
+from ..replays import Replays
+from ..settings import Config
+from ..sse import AnswerReader
+from ..state.access import StateAccess
+from ..state.storage import StorageError
+from ..tenancy import Tenancy, credential_material
+from ..upstreams import TRANSIENT_STATUSES, Upstreams
+from .history import History, Turn, listed_items, response_json, string_input_item
 from .turns import Tenant
-from .view import CLIENT_BODY
+from .walk import ChainError
 
 logger = logging.getLogger(__name__)
 
-EMULATION = "stateful_emulation"  # flow.metadata: what emulation did with the flow
 MAX_FLOWS = 10_000
 NOT_FOUND_RETRY = 0.1  # a turn another proxy has just written may take this long to be visible
 LIST_PARAMETERS = frozenset({"limit", "order", "after", "before", "include", "include[]"})
@@ -86,16 +89,21 @@ def _names_the_refusal(body: bytes, response_id: str) -> bool:
 
 
 class StoreEmulation:
-    def __init__(self, planner: Planner, state: StateStore, recorder: Recorder, replays: Replays) -> None:
-        self.planner = planner
+    def __init__(self, config: Config, counters: Counters, tenancy: Tenancy, reader: Reader, upstreams: Upstreams,
+                 state: StateAccess, history: History, replays: Replays) -> None:
+        self.config = config
+        self.counters = counters
+        self.tenancy = tenancy
+        self.reader = reader
+        self.upstreams = upstreams
         self.state = state
-        self.recorder = recorder
+        self.history = history
         self.replays = replays
         self._flows: OrderedDict[str, _Flow] = OrderedDict()
 
     @property
     def mode(self) -> str:
-        return self.planner.settings.emulate
+        return self.config.settings.emulate
 
     # -- requests ------------------------------------------------------------------
 
@@ -110,17 +118,17 @@ class StoreEmulation:
             elif method in ("GET", "DELETE"):
                 await self._resource(flow, method)
         except Exception:
-            internal_error(self.planner.counters, "emulating the store")
+            internal_error(self.counters, "emulating the store")
 
     async def _create(self, flow: http.HTTPFlow) -> None:
         client = flow.request.copy()
-        reading = self.planner.read(request_of(flow, client), count=False)
-        if isinstance(reading, Plan):
+        reading = self.reader.read(request_of(flow, client), count=False)
+        if isinstance(reading, Skip):
             return
         raw_input = reading.raw_items
         if raw_input is None:  # a string input is one user message
             raw_input = [string_input_item(bytes(reading.fields["input"]))]
-        tenant = Tenant.of(self.planner.secret, reading.credential)
+        tenant = Tenant.of(self.tenancy.secret, reading.credential)
         previous = reading.previous if isinstance(reading.previous, str) else None
         moved = bool((flow.metadata.get(ROUTED) or {}).get("moved"))
         record = _Flow(tenant, reading.scope, previous, raw_input, client, moved)
@@ -149,15 +157,13 @@ class StoreEmulation:
     async def _upstream_cannot_have(self, record: _Flow) -> bool:
         """In auto mode: whether the record shows the upstream cannot continue
         from the client's id (so sending it would fail or, worse, be ignored)."""
-        now = self.planner.clock()
-        marks = self.planner.marks
-        if marks.has("unsupported", record.scope, now) or marks.has("refuses_previous", record.scope, now):
+        if self.upstreams.has("unsupported", record.scope) or self.upstreams.has("refuses_previous", record.scope):
             return True
         if record.moved:
             return True  # the router sent the turn away from the upstream that holds its chain
         assert record.previous_response_id is not None
         try:
-            turn = await self.recorder.turn(record.tenant, record.previous_response_id, self.state.get_strict)
+            turn = await self.history.turn(record.tenant, record.previous_response_id, self.state.get_strict)
         except StorageError:
             return False
         return turn is not None and not turn.header.stored_upstream
@@ -167,12 +173,12 @@ class StoreEmulation:
         front of its input, that field dropped, every other byte its own."""
         assert record.previous_response_id is not None
         try:
-            context = await self.recorder.context(record.tenant, record.previous_response_id, self.state.get_strict)
+            context = await self.history.context(record.tenant, record.previous_response_id, self.state.get_strict)
         except ChainError as e:
             if e.code != "previous_response_not_found":
                 raise
             await asyncio.sleep(NOT_FOUND_RETRY)  # written by another proxy a moment ago?
-            context = await self.recorder.context(record.tenant, record.previous_response_id, self.state.get_strict)
+            context = await self.history.context(record.tenant, record.previous_response_id, self.state.get_strict)
         items = b"[" + b",".join(context + record.raw_input) + b"]"
         return splice(record.client.raw_content or b"", reading.fields, {"input": items, "previous_response_id": None})
 
@@ -185,8 +191,8 @@ class StoreEmulation:
             return record.expanded
         if record is None or record.previous_response_id is None:
             return None
-        reading = self.planner.read(request_of(flow, client), count=False)
-        if isinstance(reading, Plan):
+        reading = self.reader.read(request_of(flow, client), count=False)
+        if isinstance(reading, Skip):
             return None
         try:
             return await self._expand(reading, record)
@@ -198,7 +204,7 @@ class StoreEmulation:
     async def _resource(self, flow: http.HTTPFlow, method: str) -> None:
         url = urlsplit(flow.request.url)
         match = _RESOURCE.match(url.path)
-        settings = self.planner.settings
+        settings = self.config.settings
         if match is None or not settings.url_matches(flow.request.url):
             return
         response_id, listing = match["id"], bool(match["items"])
@@ -209,13 +215,12 @@ class StoreEmulation:
         query = [(k, v) for k, v in parse_qsl(url.query, keep_blank_values=True) if k not in LIST_PARAMETERS]
         reading = request_of(flow)
         reading = dataclasses.replace(reading, url=urlunsplit(url._replace(query=urlencode(query))))
-        credential = self.planner.credential_material(reading)
-        tenant = Tenant.of(self.planner.secret, credential)
+        credential = credential_material(reading)
+        tenant = Tenant.of(self.tenancy.secret, credential)
         upstream = f"{url.scheme}://{url.netloc}{match['base']}"
-        scope, _ = self.planner.scope(upstream, credential)
-        now = self.planner.clock()
-        answer_here = self.mode == "always" or self.planner.marks.has("unsupported", scope, now) \
-            or self.planner.marks.has("refuses_previous", scope, now)
+        scope, _ = self.tenancy.scope(upstream, credential)
+        answer_here = self.mode == "always" or self.upstreams.has("unsupported", scope) \
+            or self.upstreams.has("refuses_previous", scope)
         if method == "DELETE" and not answer_here:
             # The upstream deletes its copy; ours must go too, or a later
             # refusal would bring the deleted response back from the record.
@@ -225,20 +230,20 @@ class StoreEmulation:
         if not answer_here:
             return
         try:
-            turn = await self.recorder.turn(tenant, response_id, self.state.get_strict)
+            turn = await self.history.turn(tenant, response_id, self.state.get_strict)
         except StorageError:
             return  # the record is out of reach: ask the upstream
         if turn is None:
             flow.response = _not_found(response_id)
         elif method == "DELETE":
-            self.recorder.forget(tenant, response_id)
+            self.history.forget(tenant, response_id)
             flow.metadata[EMULATION] = {"deleted": response_id}
             await self.state.written(self.state.flush())
             flow.response = _json_response(200, {"id": response_id, "object": "response", "deleted": True})
         elif listing:
             flow.response = await self._input_items(tenant, turn, dict(parse_qsl(url.query)))
         else:
-            output = await self.recorder.output_items(tenant, turn, self.state.get_strict)
+            output = await self.history.output_items(tenant, turn, self.state.get_strict)
             flow.response = http.Response.make(200, response_json(turn, output), {"Content-Type": "application/json"})
         flow.comment = f"emulated: {method} {response_id} answered from the record"
 
@@ -247,8 +252,8 @@ class StoreEmulation:
         chain's too), newest first unless asked otherwise, a page at a time."""
         items: list[bytes] = []
         if turn.body.previous_response_id is not None:
-            items = await self.recorder.context(tenant, turn.body.previous_response_id, self.state.get_strict)
-        items += await self.recorder.input_items(tenant, turn, self.state.get_strict)
+            items = await self.history.context(tenant, turn.body.previous_response_id, self.state.get_strict)
+        items += await self.history.input_items(tenant, turn, self.state.get_strict)
         listed = listed_items(items, turn.body.response_id)
         limit_text, order = query.get("limit", "20"), query.get("order", "desc")
         if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100 or order not in ("asc", "desc"):
@@ -302,7 +307,7 @@ class StoreEmulation:
 
             flow.response.stream = tap
         except Exception:
-            internal_error(self.planner.counters, "tapping an answer to record")
+            internal_error(self.counters, "tapping an answer to record")
 
     async def response(self, flow: http.HTTPFlow) -> None:
         record = self._record_of(flow)
@@ -314,13 +319,13 @@ class StoreEmulation:
                 retried_here = True
                 await self._retry_expanded(flow, record)
             elif "delete" in flow.metadata.get(EMULATION, {}) and flow.response.status_code < 300:
-                self.recorder.forget(record.tenant, flow.metadata[EMULATION]["delete"])
+                self.history.forget(record.tenant, flow.metadata[EMULATION]["delete"])
                 record.written = self.state.flush()
             elif not record.recorded and flow.response.status_code < 300 and flow.response.raw_content is not None:
                 record.reader = None  # buffered: read it whole
                 self._record(flow, record)
         except Exception:
-            internal_error(self.planner.counters, "emulating the store")
+            internal_error(self.counters, "emulating the store")
         retry_of = flow.metadata.get(RETRY_OF)
         if retry_of is not None:
             self._flows.pop(retry_of, None)  # the client's flow is answered by this retry
@@ -342,15 +347,15 @@ class StoreEmulation:
         """The upstream refused the client's previous_response_id (it forgot
         it, never stored it, or refuses the field): send the chain expanded."""
         assert record.previous_response_id is not None and flow.response is not None
-        reading = self.planner.read(request_of(flow, record.client), count=False)
-        if isinstance(reading, Plan):
+        reading = self.reader.read(request_of(flow, record.client), count=False)
+        if isinstance(reading, Skip):
             return
         try:
             record.expanded = await self._expand(reading, record)
         except (ChainError, StorageError):
             return  # not in the record: the refusal is the client's own answer
         refused = flow.response.status_code
-        if self.planner.mark("refuses_previous", record.scope):
+        if self.upstreams.mark("refuses_previous", record.scope):
             logger.info("stateful-responses: %s refused a previous_response_id the record holds (%d); "
                         "expanding chains for it from now on", reading.label, refused)
         record.written = self.state.flush()
@@ -388,11 +393,11 @@ class StoreEmulation:
         # stores nothing (then it cannot have continued one either), was made
         # without the chain: from now on the chain goes expanded.
         if sent_previous is not None and (echoed != sent_previous or stored is False) \
-                and self.planner.mark("refuses_previous", record.scope):
+                and self.upstreams.mark("refuses_previous", record.scope):
             logger.info("stateful-responses: an upstream answered a previous_response_id without its chain; "
                         "expanding chains for it from now on")
         stored_upstream = stored is True or (stored is None and sent_previous is not None and echoed == sent_previous)
-        self.recorder.record(record.tenant, response=response, previous_response_id=record.previous_response_id,
+        self.history.record(record.tenant, response=response, previous_response_id=record.previous_response_id,
                              raw_input=record.raw_input, stored_upstream=stored_upstream)
         record.written = self.state.flush()
         self._debug("recorded %s", response["id"])
@@ -408,7 +413,7 @@ class StoreEmulation:
             self._flows.popitem(last=False)
 
     def _debug(self, msg: str, *args) -> None:
-        if self.planner.settings.debug:
+        if self.config.settings.debug:
             logger.info("stateful-responses: " + msg, *args)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from stateful_responses.chain import ChainError, Link, walk
+from stateful_responses.store_emulation.walk import ChainError, Link, walk
 
 
 def getter(links: dict[str, tuple[str | None, str]]):

@@ -1,4 +1,4 @@
-"""Store emulation's record: turns in, chains out. Pure: reads go through the
+"""Store emulation's history: turns in, chains out. Pure: reads go through the
 async ``get`` callables the glue passes in, writes leave through an outbox.
 
 Memory keeps the recent turns and items (bounded); the backing store keeps
@@ -8,7 +8,6 @@ everything for other processes and restarts, until it expires.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,10 +15,12 @@ from typing import Any
 import msgspec
 from blake3 import blake3
 
-from .chain import ChainError, Link, walk
-from .items import canonical_json
-from .state import Bounded, Outbox, Write
-from .turns import ITEMS, TURNS, Tenant, TurnBody, TurnHeader
+from ..bounded import Bounded
+from ..items import canonical_json
+from ..settings import Config
+from ..state.outbox import Outbox, Write
+from .turns import ITEMS, TURNS, Tenant, TurnBody, TurnHeader, conflict
+from .walk import ChainError, Link, walk
 
 GetRecords = Callable[[str, Sequence[bytes]], Awaitable[Mapping[bytes, bytes]]]
 _ENCODE = msgspec.json.Encoder(decimal_format="number").encode
@@ -45,10 +46,8 @@ _CONFLICT = object()  # memory's mark of an id recorded with two contents
 
 
 @dataclass
-class Recorder:
-    ttl: float
-    max_depth: int = 1000
-    clock: Callable[[], float] = field(default=time.time, repr=False)
+class History:
+    config: Config = field(default_factory=Config)
     turns: Bounded = field(default_factory=lambda: Bounded(4096), repr=False)  # turn key -> Turn, or its record
     items: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)  # item key -> item JSON
     inputs: Bounded = field(default_factory=lambda: Bounded(4096), repr=False)  # (tenant, input digest) -> id
@@ -56,6 +55,16 @@ class Recorder:
     # loop's next turn is expanded without walking its chain again.
     contexts: Bounded = field(default_factory=lambda: Bounded(64), repr=False)
     _outbox: Outbox = field(default_factory=Outbox, repr=False)
+
+    tables = {TURNS: 1_000_000, ITEMS: 4_000_000}
+
+    @property
+    def ttl(self) -> float:
+        return self.config.ttl
+
+    @property
+    def max_depth(self) -> int:
+        return self.config.settings.max_depth
 
     def take_writes(self) -> list[Write]:
         return self._outbox.take()
@@ -101,7 +110,7 @@ class Recorder:
             parent_key = tenant.turn_key(previous_response_id)
             parent = self.turns.get(parent_key)
             ancestors = [parent_key] + (parent.header.ancestors if isinstance(parent, Turn) else [])
-        key, header, record = tenant.seal_turn(body, created=self.clock(), size=size + len(body.response),
+        key, header, record = tenant.seal_turn(body, created=self.config.clock(), size=size + len(body.response),
                                                stored_upstream=stored_upstream, fingerprint_of=fingerprint_of,
                                                ancestors=ancestors)
         known = self.turns.get(key)
@@ -116,7 +125,7 @@ class Recorder:
         if parent_context is not None and self.turns.get(key) is not _CONFLICT:
             depth, keys = parent_context  # the next turn of an agent loop expands without a walk
             self.contexts.put((tenant.tag, response_id), (depth + 1, keys + input_keys + output_keys))
-        self._outbox.append(Write(TURNS, key, record, self.ttl, new=True, label=response_id))
+        self._outbox.append(Write(TURNS, key, record, self.ttl, merge=conflict, label=response_id))
 
     def _item(self, tenant: Tenant, raw: bytes, digest: bytes) -> bytes:
         key = tenant.item_key(digest)

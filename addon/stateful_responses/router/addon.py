@@ -1,4 +1,4 @@
-"""The router's mitmproxy glue: ``stateful_upstreams`` (issue 12).
+"""The router's mitmproxy glue: ``stateful_upstreams``.
 
 Listed after the continuation record and before store emulation and forward
 mode: it reads the record (``routing.Routes`` decides), points the flow at the
@@ -20,13 +20,15 @@ from urllib.parse import urlsplit
 import msgspec
 from mitmproxy import http
 
-from .glue import RETRY_OF, Replays, hold, internal_error
-from .planner import Planner, splice
-from .routing import Route, Routes
+from ..counters import Counters
+from ..flows import CONTINUATION, RETRY_OF, ROUTED, hold, internal_error
+from ..reading import splice
+from ..replays import Replays
+from ..settings import Config
+from .routes import Route, Routes
 
 logger = logging.getLogger(__name__)
 
-ROUTED = "stateful_routed"  # flow.metadata: {"upstream", "reason", "moved"}
 PROBE_TIMEOUT = 0.3
 _ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
 
@@ -74,8 +76,9 @@ def without_foreign_reasoning(body: bytes) -> tuple[bytes, int]:
 
 
 class Router:
-    def __init__(self, planner: Planner, replays: Replays, expand) -> None:
-        self.planner = planner
+    def __init__(self, config: Config, counters: Counters, replays: Replays, expand) -> None:
+        self.config = config
+        self.counters = counters
         self.replays = replays
         self.expand = expand  # async (flow, client request) -> full-history body or None (store emulation)
         self.routes: Routes | None = None
@@ -83,7 +86,7 @@ class Router:
 
     def configure(self, updated: set[str]) -> None:
         if "stateful_upstreams" in updated:
-            upstreams = self.planner.settings.upstreams
+            upstreams = self.config.settings.upstreams
             self.routes = Routes(list(upstreams)) if upstreams else None
 
     async def request(self, flow: http.HTTPFlow) -> None:
@@ -91,7 +94,7 @@ class Router:
         if routes is None or flow.metadata.get(RETRY_OF) is not None or flow.response is not None:
             return
         try:
-            record = flow.metadata.get("continuation") or {}
+            record = flow.metadata.get(CONTINUATION) or {}
             route = routes.choose(record)
             while routes.needs_probe(route.upstream) and not await reachable(route.upstream):
                 routes.failed(route.upstream)
@@ -105,7 +108,7 @@ class Router:
             routes.started(route.upstream)
             flow.metadata[ROUTED] = {"upstream": route.upstream, "reason": route.reason, "moved": route.moved}
         except Exception:
-            internal_error(self.planner.counters, "routing a request")
+            internal_error(self.counters, "routing a request")
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if ROUTED in flow.metadata and flow.response is not None and flow.response.status_code >= 500 \
@@ -126,12 +129,12 @@ class Router:
         try:
             if flow.response.status_code < 500:
                 routes.heard_from(upstream)
-                routes.settle(flow.metadata.get("continuation") or {}, upstream)
+                routes.settle(flow.metadata.get(CONTINUATION) or {}, upstream)
             elif client is not None:
                 routes.failed(upstream)
                 await self._fail_over(flow, client, upstream)
         except Exception:
-            internal_error(self.planner.counters, "failing over")
+            internal_error(self.counters, "failing over")
 
     def finish_error(self, flow: http.HTTPFlow) -> None:
         routed = flow.metadata.get(ROUTED)
@@ -144,7 +147,7 @@ class Router:
         """The turn's upstream answered 5xx: another one answers, with full
         history, and the client never sees the failure."""
         assert self.routes is not None and flow.response is not None
-        record = flow.metadata.get("continuation") or {}
+        record = flow.metadata.get(CONTINUATION) or {}
         route: Route = self.routes.choose({**record, "stickyScope": "request"})
         if route.upstream == failed:
             return  # nowhere else to go: the client gets the upstream's own answer

@@ -1,0 +1,19 @@
+"""What the addon did, counted: ``stateful.stats`` and the line at shutdown."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Counters:
+    requests: int = 0
+    continued: int = 0
+    delta_items: int = 0
+    full_items: int = 0
+    bytes_saved: int = 0
+    retries: int = 0
+    fallbacks: int = 0
+    unsupported_upstreams: int = 0
+    ambiguous: int = 0
+    errors: int = 0

@@ -1,0 +1,87 @@
+"""What every addon of ours shares on the mitmproxy side: what it keeps on a
+flow (the ``flow.metadata`` keys, named here so that no addon reads another's
+module for them), how a flow is read into a ``Request``, and how an internal
+error is reported (never its message: it could quote a prompt)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+
+from mitmproxy import http
+
+from .counters import Counters
+from .reading import Request
+from .tenancy import is_credential_header
+
+logger = logging.getLogger("stateful_responses")
+
+# flow.metadata keys
+DECISION = "stateful"  # forward mode's decision about the flow
+CLIENT_BODY = "stateful_client_body"  # the client's body, when ours changed it
+CONTINUATION = "continuation"  # the flow's continuation record (seed 003)
+AUDIT = "audit"  # its protocolMapping audit
+EMULATION = "stateful_emulation"  # what store emulation did with the flow
+ROUTED = "stateful_routed"  # {"upstream", "reason", "moved", …}: where the router sent it
+RETRY_OF = "stateful_retry_of"  # our own retry of the client's flow (its id)
+# flow.metadata key: an answer held back whole, so that the response hook can
+# replace it before the client sees a byte; no addon streams it.
+HELD = "stateful_held"
+
+
+def hold(flow: http.HTTPFlow) -> None:
+    assert flow.response is not None
+    flow.response.stream = False
+    flow.metadata[HELD] = True
+
+
+def end_still_to_come(response: http.Response) -> bool:
+    """Whether the client still waits for this answer's end after the response
+    hooks (a chunked stream: SSE). With a Content-Length it already has every
+    byte, and waiting would only hold back its next request on the connection."""
+    return "content-length" not in response.headers
+
+
+def _headers_read(fields: tuple[tuple[bytes, bytes], ...]) -> dict[str, str]:
+    """The headers the core reads (the credentials and content-encoding), by
+    lower-case name, in one pass over the raw fields (a repeated one joined
+    as mitmproxy joins it)."""
+    found: dict[str, str] = {}
+    for name, value in fields:
+        key = name.decode("latin-1").lower()
+        if key == "content-encoding" or is_credential_header(key):
+            text = value.decode("utf-8", "surrogateescape")
+            found[key] = f"{found[key]}, {text}" if key in found else text
+    return found
+
+
+def request_of(flow: http.HTTPFlow, req: http.Request | None = None) -> Request:
+    """The pure core's view of a flow's request (or of ``req``, the client's)."""
+    req = req or flow.request
+    proxy_user = flow.metadata.get("proxyauth")
+    headers = _headers_read(req.headers.fields)
+    return Request(
+        method=req.method,
+        url=req.url,
+        body=req.raw_content or b"",
+        content_encoding=headers.pop("content-encoding", ""),
+        headers=headers,
+        proxy_user="\x00".join(map(str, proxy_user)) if isinstance(proxy_user, tuple) else "",
+    )
+
+
+def internal_error(counters: Counters, doing: str) -> None:
+    """Log where it broke, never the exception's message: a message can
+    quote request content (a KeyError of a prompt, say)."""
+    counters.errors += 1
+    kind, _, tb = sys.exc_info()
+    where = traceback.extract_tb(tb)[-1] if tb else None
+    logger.warning(
+        "stateful-responses: internal error (%s at %s:%s) while %s; flow passed through",
+        kind.__name__ if kind else "?",
+        os.path.basename(where.filename) if where else "?",
+        where.lineno if where else "?",
+        doing,
+    )

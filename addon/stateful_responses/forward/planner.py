@@ -1,0 +1,443 @@
+"""Forward mode's planner: from a client's full-history request to a
+decision, and from an answer to what the prefix store learns. Pure: no
+mitmproxy, no I/O.
+
+The one invariant everything here serves: for every request, the upstream's
+context (its stored chain + the input we send) equals the client's input. A
+continuation is planned only from an entry that an upstream answer proved
+stored, and the items sent are the client's own items beyond that entry.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+from blake3 import blake3
+
+from ..bounded import Bounded
+from ..counters import Counters
+from ..items import Ambiguous, ItemSequence, item_digest
+from ..reading import Reader, Reading, Request, Skip, splice
+from ..settings import Config, Settings
+from ..state.outbox import Outbox, Write
+from ..tenancy import Tenancy
+from ..upstreams import TRANSIENT_STATUSES, Upstreams
+from .prefixes import ENTRIES, REFS, Match, PrefixStore, StoredEntry, encode_entry
+
+Action = Literal["pass", "full", "continue"]
+
+
+@dataclass
+class Plan:
+    action: Action
+    reason: str
+    upstream: str = ""
+    model: str = ""
+    scope: str = ""  # upstream + credential, hashed: what "unsupported" marks apply to
+    scope_label: str = ""  # the scope for logs: host and hash tags, never a path or credential
+    body: bytes | None = None  # the body to send upstream when it differs
+    previous_response_id: str | None = None
+    parent: bytes | None = None  # digest of the entry continued from
+    sequence: ItemSequence | None = None  # rolling digests of the client's whole input
+    items_total: int = 0
+    items_sent: int = 0
+    asked_store: bool = False  # the body sent upstream says store: true
+    forced_store: bool = False  # we set store: true where the client had not
+    client_bytes: int = 0
+    client_previous_response_id: str | None = None  # the client's own continuation, watched for its echo
+    draft: _Draft | None = field(default=None, repr=False)  # what improving the plan from the store needs
+    root: bytes = field(default=b"", repr=False)  # the namespace's root digest
+
+    @property
+    def changed(self) -> bool:
+        return self.body is not None
+
+    @property
+    def tracked(self) -> bool:
+        return self.action != "pass"
+
+    @property
+    def watched(self) -> bool:
+        """An answer worth reading: a tracked request's, or a client's own
+        continuation's (its echo proves the upstream honours the field)."""
+        return self.tracked or self.client_previous_response_id is not None
+
+
+@dataclass(frozen=True)
+class _Draft:
+    """A full or continued plan's parsed request, kept so that a deeper stored
+    prefix read from the backing store can still improve it."""
+
+    request_body: bytes
+    fields: dict[str, msgspec.Raw]
+    raw_items: list[bytes] | None
+    force_store: bool
+    memory_depth: int  # the length continued from out of memory, 0 for none
+    unresolved: list[bytes]  # keys of item references memory could not resolve
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one answer taught the store, for logs, counters and the flow."""
+
+    kind: Literal["advanced", "dropped", "unsupported", "ignored", "retry", "transient", "pending"]
+    detail: str
+    response_id: str | None = None
+
+
+_ABSENT = object()
+
+
+@dataclass
+class Planner:
+    """Forward mode's decisions; standalone (tests, benchmarks) it makes its
+    own shared pieces, in the proxy it is handed the ones every addon shares."""
+
+    config: Config = field(default_factory=Config)
+    counters: Counters = field(default_factory=Counters)
+    tenancy: Tenancy = field(default_factory=Tenancy)
+    upstreams: Upstreams | None = None
+    reader: Reader | None = None
+    store: PrefixStore = field(init=False)
+    # Output items by id, per namespace: an item_reference equals the item it names.
+    refs: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)
+    # Background responses still running: their plans wait for the poll that finds them finished.
+    background: Bounded = field(default_factory=lambda: Bounded(4096), repr=False)
+    _outbox: Outbox = field(default_factory=Outbox, repr=False)
+
+    tables = {ENTRIES: 1_000_000, REFS: 1_000_000}
+
+    def __post_init__(self) -> None:
+        self.store = PrefixStore(self.config.settings.max_chains)
+        self.upstreams = self.upstreams or Upstreams(self.config, self.tenancy)
+        self.reader = self.reader or Reader(self.config, self.counters, self.tenancy)
+        self.config.on_change(self._reconfigure)
+        self.tenancy.on_new_secret(self._forget_learned)
+
+    @property
+    def settings(self) -> Settings:
+        return self.config.settings
+
+    def _reconfigure(self, old: Settings, new: Settings) -> None:
+        if new.max_chains != old.max_chains:
+            self.store = PrefixStore(new.max_chains)
+        self.reader.forget_last()
+
+    def _forget_learned(self) -> None:
+        """What was learned under another secret is unreachable: dropped."""
+        self.store.clear()
+        self.refs.clear()
+
+    def take_writes(self) -> list[Write]:
+        """What must reach the backing store, oldest first (the outbox empties)."""
+        return self._outbox.take()
+
+    def namespace(self, upstream: str, model: str, credential: bytes) -> bytes:
+        """The root digest that every stored sequence of one namespace hangs from.
+
+        A namespace is upstream + model + credential. It deliberately leaves out
+        ``prompt_cache_key``, ``instructions`` and ``tools``: matching is by item
+        content, so two requests whose items agree are the same conversation up
+        to that point whatever they are called; instructions and tools are resent
+        with every request and are not part of the stored context (FACTS.md);
+        and clients vary ``prompt_cache_key`` freely (openai-agents sends a new
+        one on every ``Runner.run``), which would make every turn start over.
+        The credential enters only through a keyed hash under the store's secret.
+        """
+        h = blake3(key=self.tenancy.secret)
+        h.update(f"{upstream}\x00{model}\x00".encode("utf-8", "surrogatepass"))
+        h.update(credential)
+        return h.digest()
+
+    def plan(self, request: Request, *, rewrite: bool = True) -> Plan:
+        """Decide what to send. With ``rewrite=False`` (our own retry of a
+        client's original body) nothing is changed, only tracked."""
+        reading = self.reader.read(request, count=rewrite)
+        if isinstance(reading, Skip):
+            return Plan("pass", reading.reason, reading.upstream, reading.model)
+        s = self.settings
+        upstream, model, scope, label = reading.upstream, reading.model, reading.scope, reading.label
+        body, client_store, raw_items, digests = reading.fields, reading.client_store, reading.raw_items, reading.digests
+        credential = reading.credential
+        if reading.previous is not None:
+            plan = Plan("pass", "client sent previous_response_id", upstream, model, scope, label)
+            if isinstance(reading.previous, str):
+                plan.client_previous_response_id = reading.previous
+            return plan
+        if not digests:
+            return Plan("pass", "input has no items", upstream, model)
+        if client_store is False and not s.force_store:
+            return Plan("pass", "client sent store:false", upstream, model)
+        now = self.config.clock()
+        if self.upstreams.has("unsupported", scope):
+            return Plan("pass", "upstream does not store responses", upstream, model, scope, label)
+
+        root = self.namespace(upstream, model, credential)
+        unresolved = self._resolve_references(root, digests)
+        sequence = ItemSequence(root, digests)
+        prefixes = sequence.digests
+        force = (
+            rewrite
+            and s.force_store
+            and client_store is not True
+            and not self.upstreams.has("no_forced_store", scope)
+        )
+        asked_store = client_store is True or force
+        plan = Plan(
+            "full",
+            "no stored prefix",
+            upstream,
+            model,
+            scope,
+            label,
+            sequence=sequence,
+            items_total=len(digests),
+            items_sent=len(digests),
+            asked_store=asked_store,
+            forced_store=force,
+            client_bytes=len(request.body),
+            root=root,
+        )
+        if not asked_store:
+            plan.reason = "full; the request does not ask to store"
+        if not rewrite:
+            return plan
+        match = self.store.deepest(prefixes, now)
+        plan.draft = _Draft(request.body, body, raw_items, force, match.length if match else 0, unresolved)
+        self._shape(plan, match)
+        self._count(plan)
+        return plan
+
+    def _ref_key(self, root: bytes, item_id: str) -> bytes:
+        return blake3(root + b"\x00ref\x00" + item_id.encode("utf-8", "surrogatepass"),
+                      key=self.tenancy.secret).digest(16)
+
+    def _resolve_references(self, root: bytes, digests: list[bytes]) -> list[bytes]:
+        """Give each item reference the digest of the output item it names
+        (learned from this namespace's answers); the keys of those memory
+        does not know (the backing store may)."""
+        unresolved = []
+        references = self.reader.digests.references
+        for i, digest in enumerate(digests):
+            item_id = references.get(digest)
+            if item_id is not None:
+                key = self._ref_key(root, item_id)
+                named = self.refs.hit(key)
+                if named is not None:
+                    digests[i] = named
+                else:
+                    unresolved.append(key)
+        return unresolved
+
+    def unresolved_references(self, plan: Plan) -> list[bytes]:
+        return plan.draft.unresolved if plan.draft is not None else []
+
+    def learn_references(self, found: Mapping[bytes, bytes]) -> None:
+        """References the backing store resolved: plan the request again."""
+        for key, digest in found.items():
+            if len(digest) == 16:
+                self.refs.put(key, digest)
+
+    def discard(self, plan: Plan) -> None:
+        """A plan that will be made again (its counts are taken back)."""
+        if plan.draft is not None:
+            self._uncount(plan)
+            self.counters.requests -= 1
+
+    def _shape(self, plan: Plan, match: Match | None) -> None:
+        """Write the plan's body: continued from ``match``, or full."""
+        draft = plan.draft
+        assert draft is not None
+        changes: dict[str, bytes] = {}
+        if match is not None:
+            assert draft.raw_items is not None  # a string input is one item and never extends anything
+            changes["input"] = b"[" + b",".join(draft.raw_items[match.length :]) + b"]"
+            changes["previous_response_id"] = json.dumps(match.response_id).encode()
+            plan.action = "continue"
+            plan.reason = f"extends {match.response_id}"
+            plan.previous_response_id = match.response_id
+            plan.parent = match.digest
+            plan.items_sent = plan.items_total - match.length
+        if draft.force_store:
+            changes["store"] = b"true"
+        plan.body = splice(draft.request_body, draft.fields, changes) if changes else None
+
+    def lookups(self, plan: Plan) -> list[bytes]:
+        """Entries the backing store may hold that would continue ``plan``
+        from deeper than memory can: every prefix deeper than memory's match
+        (one round trip). Empty when memory already has the deepest possible."""
+        if plan.draft is None or plan.draft.raw_items is None or plan.sequence is None:
+            return []
+        prefixes = plan.sequence.digests
+        return prefixes[plan.draft.memory_depth : len(prefixes) - 1]
+
+    def improve(self, plan: Plan, found: Mapping[bytes, StoredEntry]) -> None:
+        """Continue ``plan`` from the deepest entry the backing store had
+        (another process learned it, or this one before a restart)."""
+        if not found or plan.sequence is None:
+            return
+        now, prefixes = self.config.clock(), plan.sequence.digests
+        for k in range(len(prefixes) - 1, 0, -1):
+            entry = found.get(prefixes[k - 1])
+            if entry is None or entry.length != k or entry.scope != plan.scope or entry.expires <= now:
+                continue
+            if plan.parent is not None and k <= (plan.draft.memory_depth if plan.draft else 0):
+                return  # memory's match is as deep
+            self.store.remember(prefixes[k - 1], k, entry.response_id, None, entry.scope, entry.expires)
+            self._uncount(plan)
+            self._shape(plan, Match(prefixes[k - 1], entry.response_id, k))
+            self._count(plan)
+            return
+
+    def _count(self, plan: Plan, sign: int = 1) -> None:
+        c = self.counters
+        if plan.action == "continue":
+            c.continued += sign
+            c.delta_items += sign * plan.items_sent
+        else:
+            c.full_items += sign * plan.items_sent
+        if plan.body is not None:
+            c.bytes_saved += sign * (plan.client_bytes - len(plan.body))
+
+    def _uncount(self, plan: Plan) -> None:
+        self._count(plan, -1)
+
+    def settle(self, plan: Plan, status_code: int, response: Any) -> Outcome:
+        """Learn from the upstream's answer to a planned request.
+
+        ``response`` is the answer's response object (from the JSON body or the
+        SSE terminal event), or None when there was none to read.
+        """
+        if status_code in TRANSIENT_STATUSES:
+            return Outcome("transient", f"upstream answered {status_code}; nothing learned")
+        if not plan.tracked:
+            return self._observe(plan, status_code, response)
+        if status_code >= 400:
+            self._forget_parent(plan)
+            if 400 <= status_code < 500 and plan.changed:
+                return Outcome("retry", f"upstream answered {status_code} to a changed request")
+            return Outcome("dropped", f"upstream answered {status_code}")
+        if not isinstance(response, dict):
+            self._forget_parent(plan)
+            return Outcome("dropped", "no response object in the answer")
+        rid = response.get("id")
+        status = response.get("status")
+        echoed = response.get("previous_response_id", _ABSENT)
+        if plan.action == "continue" and echoed is not _ABSENT:
+            if echoed != plan.previous_response_id:
+                self._mark_unsupported(plan.scope)
+                return Outcome("unsupported", "upstream ignored previous_response_id", rid)
+            self.upstreams.mark("honours_previous", plan.scope)
+        if status in ("queued", "in_progress") and response.get("background") is True and isinstance(rid, str):
+            self.background.put(rid, plan)
+            return Outcome("pending", "a background response: learned from when a poll finds it finished", rid)
+        if status != "completed" or not isinstance(rid, str) or not rid:
+            self._forget_parent(plan)
+            return Outcome("dropped", f"response status {status!r}", rid if isinstance(rid, str) else None)
+        if plan.action == "continue" and echoed is _ABSENT:
+            # An upstream that ignores the field and echoes nothing looks the same.
+            return Outcome("ignored", "the answer does not echo previous_response_id: it proves nothing", rid)
+        stored = response.get("store")
+        if not isinstance(stored, bool):
+            if not self.upstreams.has("honours_previous", plan.scope):
+                return Outcome("ignored", "the answer does not say it stored the response", rid)
+            stored = plan.asked_store
+        if not stored:
+            if plan.asked_store:
+                self._mark_unsupported(plan.scope)
+                return Outcome("unsupported", "upstream did not store a response it was asked to", rid)
+            return Outcome("ignored", "response not stored", rid)
+        output = response.get("output")
+        if not isinstance(output, list) or not all(isinstance(i, dict) for i in output):
+            self._forget_parent(plan)
+            return Outcome("dropped", "response output is not a list of items", rid)
+        assert plan.sequence is not None
+        try:
+            output_digests = [item_digest(item) for item in output]
+        except Ambiguous:
+            return Outcome("ignored", "the answer's items read differently in other parsers", rid)
+        digest = plan.sequence.extended(output_digests).digests[-1]
+        for item, item_digest_ in zip(output, output_digests, strict=True):
+            if isinstance(item.get("id"), str):
+                key = self._ref_key(plan.root, item["id"])
+                self.refs.put(key, item_digest_)
+                self._outbox.append(Write(REFS, key, item_digest_, self.config.ttl))
+        length, expires = plan.items_total + len(output), self.config.clock() + self.config.ttl
+        self.store.remember(digest, length, rid, plan.parent, plan.scope, expires)
+        self._outbox.append(Write(ENTRIES, digest, encode_entry(StoredEntry(rid, length, plan.scope, expires)), self.config.ttl))
+        return Outcome("advanced", f"stores {plan.items_total + len(output)} items", rid)
+
+    def _observe(self, plan: Plan, status_code: int, response: Any) -> Outcome:
+        """A client's own continuation: an answer that echoes its
+        previous_response_id shows the upstream honours the field."""
+        if (
+            status_code < 400
+            and isinstance(response, dict)
+            and plan.client_previous_response_id is not None
+            and response.get("previous_response_id") == plan.client_previous_response_id
+        ):
+            self.upstreams.mark("honours_previous", plan.scope)
+            return Outcome("ignored", "the upstream honours previous_response_id", response.get("id"))
+        return Outcome("ignored", "client-managed continuation")
+
+    def polled(self, response_id: str, scope: str, status_code: int, response: Any) -> Outcome | None:
+        """A poll of a background response (``GET /responses/{id}``) by the
+        same upstream + credential: once it is finished, learn from it as from
+        the answer to the request that started it."""
+        plan = self.background.hit(response_id)
+        if plan is None or plan.scope != scope or status_code >= 400 or not isinstance(response, dict):
+            return None
+        if response.get("status") in ("queued", "in_progress"):
+            return None
+        del self.background[response_id]
+        return self.settle(plan, status_code, response)
+
+    def abandon(self, plan: Plan, why: str) -> Outcome:
+        """The request failed before any answer (reset, refused, timeout): the
+        branch it continued from is forgotten, so a retry is planned afresh."""
+        self._forget_parent(plan)
+        return Outcome("dropped", why)
+
+    def _forget_parent(self, plan: Plan) -> None:
+        if plan.parent is not None:
+            self.store.forget(plan.parent)
+            self._outbox.append(Write(ENTRIES, plan.parent, None))
+
+    def retried(self, plan: Plan, status_code: int) -> None:
+        """Our retry with the client's original body got ``status_code``. If
+        the only change had been a forced store and the original went through,
+        the forced store was what the upstream refused (a zero-data-retention
+        organization): never force it there again. If the original failed too,
+        the refusal was the request's own and proves nothing."""
+        if plan.action == "full" and plan.forced_store and status_code < 400:
+            self.upstreams.mark("no_forced_store", plan.scope)
+
+    def _mark_unsupported(self, scope: str) -> None:
+        if self.upstreams.mark("unsupported", scope):
+            self.counters.unsupported_upstreams += 1
+        self.store.forget_scope(scope)
+
+    def clear(self) -> None:
+        """Forget everything learned (the glue clears the backing store)."""
+        self.store.clear()
+        self.refs.clear()
+        self._outbox.clear()
+
+    def stats(self) -> dict[str, int]:
+        return {**vars(self.counters), "branches": self.store.branch_count}
+
+
+def plan_summary(plan: Plan) -> str:
+    """One line for the flow list; never any prompt text."""
+    if plan.action == "continue":
+        return f"continued from {plan.previous_response_id}: {plan.items_sent} of {plan.items_total} items sent"
+    if plan.action == "full":
+        return f"full: {plan.items_total} items ({plan.reason})"
+    return f"passed: {plan.reason}"
+
+
+__all__ = ["Planner", "Plan", "Reading", "Request", "Outcome", "plan_summary"]

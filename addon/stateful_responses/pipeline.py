@@ -1,0 +1,49 @@
+"""Every addon of ours, in hook order (mitmproxy's own idiom: many small
+addons in one list, see ``mitmproxy/addons/__init__.py``), each handed the
+shared pieces it uses: the settings in force, tenant identity, what is known
+of each upstream, the request reader, the counters and the state store."""
+
+from __future__ import annotations
+
+from .counters import Counters
+from .forward.addon import ForwardMode
+from .forward.planner import Planner
+from .heap import FrozenStartupHeap
+from .options import Options
+from .reading import Reader
+from .record.addon import ContinuationRecord
+from .record.index import ChainIndex
+from .replays import Replays
+from .router.addon import Router
+from .settings import Config
+from .state.addon import StateStore
+from .store_emulation.addon import StoreEmulation
+from .store_emulation.history import History
+from .tenancy import Tenancy
+from .upstreams import Upstreams
+
+
+def make_addons() -> list:
+    config, counters, tenancy = Config(), Counters(), Tenancy()
+    upstreams = Upstreams(config, tenancy)
+    reader = Reader(config, counters, tenancy)
+    planner = Planner(config, counters, tenancy, upstreams, reader)
+    history = History(config)
+    index = ChainIndex(config)
+    state = StateStore(config, tenancy, upstreams, planner, history, index)
+    replays = Replays(counters)
+    record = ContinuationRecord(config, counters, tenancy, reader, state, index)
+    emulation = StoreEmulation(config, counters, tenancy, reader, upstreams, state, history, replays)
+    router = Router(config, counters, replays, emulation.full_history)
+    return [
+        Options(config),  # first: parses every option before the others configure
+        state,
+        record,  # lifts the client's own request, before any change
+        router,  # picks the upstream the next two plan for
+        emulation,  # before forward mode: it plans the expanded body
+        ForwardMode(planner, state, replays),
+        router.answers,  # fails over after the two above learned from the failed answer
+        record.answers,  # records what the client got, after every change
+        replays,  # last: its collector wraps the others' taps
+        FrozenStartupHeap(),
+    ]

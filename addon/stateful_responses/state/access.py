@@ -1,0 +1,25 @@
+"""What the other addons use of the state store, as an interface: they are
+handed the store (``state.addon.StateStore``) and need only this of it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class StateAccess(Protocol):
+    async def ready(self) -> None:
+        """Until the first attempt to reach the store is over (at start only)."""
+
+    async def get(self, table: str, keys: Sequence[bytes]) -> dict[bytes, bytes]:
+        """Records among ``keys``; nothing when the store is down or slow."""
+
+    async def get_strict(self, table: str, keys: Sequence[bytes]) -> dict[bytes, bytes]:
+        """Records among ``keys``; StorageError when the store cannot say."""
+
+    def flush(self) -> asyncio.Future | None:
+        """Queue every outbox for the store; the future is done once written."""
+
+    async def written(self, done: asyncio.Future | None) -> None:
+        """Wait, briefly, until writes are visible to the other processes."""
