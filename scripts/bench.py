@@ -625,7 +625,7 @@ async def opened_sqlite(path: str, sealed: bool = True) -> tuple[SQLiteStorage, 
     storage = SQLiteStorage(path)
     await storage.open()
     with sealing(sealed):
-        tenant = Tenant.of(await storage.secret(), CREDENTIAL)
+        tenant = Tenant.of((await storage.keyring())[0], CREDENTIAL)
     return storage, tenant
 
 

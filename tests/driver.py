@@ -232,7 +232,7 @@ async def tenant_of(storage: Any, key: str) -> Any:
 
     credential = credential_material(Request("POST", "http://x/v1/responses",
                                              {"authorization": f"Bearer {key}"}, b""))
-    return Tenant.of(await storage.secret(), credential)
+    return Tenant.of((await storage.keyring())[0], credential)
 
 
 def langchain_conversation(lc: Any, proxy_url: str, http: Any, texts: list[str], *, stream: bool = False,

@@ -12,7 +12,7 @@ from harness import ROOT
 PACKAGE = ROOT / "addon" / "stateful_responses"
 CAPABILITIES = ("forward", "store_emulation", "record", "router", "state")
 # Shared modules that are mitmproxy glue by nature; every other shared module is pure.
-SHARED_GLUE = {"flows", "replays", "view", "options", "heap", "pipeline", "mitmproxy_script", "cli"}
+SHARED_GLUE = {"flows", "replays", "proofs", "view", "options", "heap", "pipeline", "mitmproxy_script", "cli"}
 
 
 def module_name(path) -> str:

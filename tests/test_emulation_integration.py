@@ -223,6 +223,8 @@ async def _craft(path, key: str) -> dict[str, str]:
         recorder.record(tenant, response=answer("resp_after_unfinished"), previous_response_id="resp_unfinished",
                         raw_input=user, stored_upstream=False)
         for write in recorder.take_writes():
+            if write.value is None:
+                continue  # renewals: nothing to renew in a fresh store
             value = write.value
             if write.label == "resp_unfinished":
                 value = msgspec.msgpack.encode(msgspec.structs.replace(header_of(value), status="incomplete"))
@@ -255,8 +257,14 @@ def test_retrieve_input_items_and_delete_are_answered_from_the_record(emulator, 
         assert deleted.json() == {"id": first["id"], "object": "response", "deleted": True}
         assert c.get(f"{proxy.url}/v1/responses/{first['id']}").status_code == 404
     assert len(log(emulator)) == before  # none of it reached the upstream
+    # deleting a response never takes what another relies on: second still continues, whole
     after = post(proxy, {"model": "gpt-test", "input": "x", "previous_response_id": second["id"]})
-    assert after.status_code == 400 and first["id"] in after.json()["error"]["message"]
+    assert after.status_code == 200
+    seen = [meaning(i) for i in log(emulator)[-1]["context"]]
+    assert [m for m in seen if m.get("role") == "user"] == [meaning(expand_input(t)[0]) for t in
+                                                            ("first question", "second question", "x")]
+    refused = post(proxy, {"model": "gpt-test", "input": "x", "previous_response_id": first["id"]})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "previous_response_not_found"
 
 
 def test_a_restart_mid_conversation_loses_nothing(emulator, start_proxy, tmp_path):

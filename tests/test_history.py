@@ -3,13 +3,15 @@ tenants apart, sealed at rest, growing with distinct items."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 
 import pytest
 from stateful_responses.store_emulation.walk import ChainError
-from stateful_responses.store_emulation.history import History, listed_items, response_json
-from stateful_responses.store_emulation.turns import ITEMS, TURNS, Tenant, conflict
+from stateful_responses.settings import Config, Settings
+from stateful_responses.store_emulation.history import History, exact_digest, listed_items, response_json
+from stateful_responses.store_emulation.turns import ITEMS, TURNS, Tenant, conflict, header_of
 
 SECRET = os.urandom(32)
 ALICE = Tenant.of(SECRET, b"Bearer sk-alice")
@@ -20,11 +22,13 @@ class Records:
     """What reached the backing store: the recorder's writes, applied."""
 
     def __init__(self) -> None:
-        self.tables: dict[str, dict[bytes, bytes]] = {TURNS: {}, ITEMS: {}}
+        self.tables: dict[str, dict[bytes, bytes]] = collections.defaultdict(dict)
 
     def apply(self, recorder: History) -> None:
         for w in recorder.take_writes():
             table = self.tables[w.table]
+            if w.touch:
+                continue  # nothing here expires
             if w.value is None:
                 table.pop(w.key, None)
             elif w.merge is not None and w.key in table:
@@ -34,6 +38,9 @@ class Records:
 
     async def get(self, table: str, keys) -> dict[bytes, bytes]:
         return {k: self.tables[table][k] for k in keys if k in self.tables[table]}
+
+    def clear_table(self, table: str) -> None:
+        self.tables[table].clear()
 
     def size(self) -> int:
         return sum(len(k) + len(v) for t in self.tables.values() for k, v in t.items())
@@ -156,14 +163,41 @@ async def test_one_id_with_two_contents_is_never_expanded():
     assert len(await History().context(ALICE, "resp_2", records.get)) == 2
 
 
-async def test_a_forgotten_response_is_not_found():
+async def test_a_deleted_response_is_not_found_and_the_responses_that_rely_on_it_stay_whole():
+    recorder, records = History(), Records()
+    expected = await chain_of(recorder, records, ALICE, 3)
+    assert await recorder.delete(ALICE, "resp_1", records.get)
+    records.apply(recorder)
+    for reader in (recorder, History()):
+        with pytest.raises(ChainError) as caught:
+            await reader.context(ALICE, "resp_1", records.get)
+        assert caught.value.code == "previous_response_not_found"
+        assert await reader.turn(ALICE, "resp_1", records.get, as_target=True) is None
+        kept = await reader.context(ALICE, "resp_2", records.get)  # resp_2 still holds resp_1's turn
+        assert [json.loads(i) for i in kept] == [json.loads(i) for i in expected]
+    assert not await recorder.delete(ALICE, "resp_1", records.get)
+
+
+async def test_a_deleted_response_nothing_relies_on_is_gone_from_the_store():
     recorder, records = History(), Records()
     await chain_of(recorder, records, ALICE, 3)
-    recorder.forget(ALICE, "resp_1")
+    key = ALICE.turn_key("resp_2")
+    assert await recorder.delete(ALICE, "resp_2", records.get)
     records.apply(recorder)
-    with pytest.raises(ChainError) as caught:
-        await History().context(ALICE, "resp_2", records.get)
-    assert caught.value.code == "previous_response_not_found" and "resp_1" in str(caught.value)
+    assert key not in records.tables[TURNS]
+    deleted_with_dependents = header_of(records.tables[TURNS][ALICE.turn_key("resp_1")])
+    assert deleted_with_dependents.status == "completed"  # resp_2 was deleted, not resp_1
+
+
+async def test_a_delete_through_another_process_holds_here_at_once():
+    here, records = History(), Records()
+    await chain_of(here, records, ALICE, 2)
+    assert await here.context(ALICE, "resp_1", records.get)  # in this process's memory
+    elsewhere = History()
+    assert await elsewhere.delete(ALICE, "resp_1", records.get)
+    records.apply(elsewhere)
+    with pytest.raises(ChainError):
+        await here.context(ALICE, "resp_1", records.get)  # the store decides, not memory
 
 
 async def test_retrieve_shapes():
@@ -175,7 +209,11 @@ async def test_retrieve_shapes():
     turn = await recorder.turn(ALICE, "resp_1", records.get)
     output = await recorder.output_items(ALICE, turn, records.get)
     whole = json.loads(response_json(turn, output))
-    assert whole == answer(1)
+    assert whole == {**answer(1), "previous_response_id": None}
+    recorder.record(ALICE, response=answer(2), previous_response_id="resp_1", raw_input=[user("more")],
+                    stored_upstream=True)
+    child = await recorder.turn(ALICE, "resp_2", records.get)
+    assert json.loads(response_json(child, []))["previous_response_id"] == "resp_1"
     listed = listed_items(await recorder.input_items(ALICE, turn, records.get), "resp_1")
     assert listed[0]["id"].startswith("msg_") and listed[0]["type"] == "message" and listed[1]["id"] == "msg_c"
     assert listed[0]["content"] == [{"type": "input_text", "text": "hello"}] and listed[0]["status"] == "completed"
@@ -206,3 +244,77 @@ async def test_one_id_with_two_contents_in_one_process_is_never_expanded():
     for reader in (recorder, History()):
         with pytest.raises(ChainError):
             await reader.context(ALICE, "resp_1", records.get)
+
+
+def writes_of(recorder: History) -> list:
+    return recorder.take_writes()
+
+
+async def test_a_turn_keeps_what_it_relies_on_alive_as_long_as_itself():
+    now = [1000.0]
+    recorder = History(Config(Settings(ttl_days=10), clock=lambda: now[0]))
+    first = recorder.record(ALICE, response=answer(0), previous_response_id=None, raw_input=[user("a")],
+                            stored_upstream=False)
+    assert first == []
+    writes_of(recorder)
+    due = recorder.record(ALICE, response=answer(1), previous_response_id="resp_0", raw_input=[user("b")],
+                          stored_upstream=False)
+    touched = {(w.table, w.key) for w in writes_of(recorder) if w.touch}
+    parent = await recorder.turn(ALICE, "resp_0", Records().get)
+    assert (TURNS, parent.key) in touched and all((ITEMS, k) in touched for k in parent.body.output)
+    assert due == []  # resp_0 relies on nothing
+    now[0] += 3600  # the next turn, an hour later: within the slack, nothing below is due
+    assert recorder.record(ALICE, response=answer(2), previous_response_id="resp_1", raw_input=[user("c")],
+                           stored_upstream=False) == []
+    now[0] += 2 * 86400  # two days on: what resp_2 relies on is renewed, whole
+    assert recorder.record(ALICE, response=answer(3), previous_response_id="resp_2", raw_input=[user("d")],
+                           stored_upstream=False) == ["resp_2"]
+    writes_of(recorder)
+    await recorder.renew(ALICE, "resp_2", Records().get)
+    renewal = writes_of(recorder)
+    chain = [(await recorder.turn(ALICE, f"resp_{n}", Records().get)).key for n in range(3)]
+    assert {w.key for w in renewal if w.table == TURNS} == set(chain)
+    assert all(w.touch and w.ttl > 10 * 86400 for w in renewal)
+    assert History(recorder.config).record(ALICE, response=answer(4), previous_response_id="resp_3",
+                                           raw_input=[user("e")], stored_upstream=False) == ["resp_3"]  # a restart
+
+
+async def test_an_item_shared_by_two_conversations_is_written_again_by_the_second():
+    recorder = History()
+    shared = user("the same developer prompt")
+    recorder.record(ALICE, response=answer(1), previous_response_id=None, raw_input=[shared, user("a")],
+                    stored_upstream=False)
+    writes_of(recorder)
+    recorder.record(ALICE, response=answer(2, "other"), previous_response_id=None, raw_input=[shared, user("b")],
+                    stored_upstream=False)
+    assert any(w.table == ITEMS and w.key == ALICE.item_key(exact_digest(shared)) and w.value
+               for w in writes_of(recorder))
+
+
+async def test_references_resolve_to_recorded_items_of_living_responses_of_the_same_tenant():
+    recorder, records = History(), Records()
+    await chain_of(recorder, records, ALICE, 2)
+    found = await recorder.referenced(ALICE, ["msg_1", "msg_unknown"], records.get)
+    assert list(found) == ["msg_1"] and json.loads(found["msg_1"]) == answer(1)["output"][0]
+    assert await History().referenced(BOB, ["msg_1"], records.get) == {}
+    await recorder.delete(ALICE, "resp_1", records.get)
+    records.apply(recorder)
+    assert await History().referenced(ALICE, ["msg_1"], records.get) == {}
+
+
+async def test_records_made_under_a_secret_the_store_used_before_stay_readable():
+    recorder, records = History(), Records()
+    expected = await chain_of(recorder, records, ALICE, 3)
+    credential = b"Bearer sk-alice"
+    after = Tenant.of(b"n" * 32, credential, older_secrets=(SECRET,))
+    assert [json.loads(i) for i in await History().context(after, "resp_2", records.get)] == \
+        [json.loads(i) for i in expected]
+    assert await History().turn(Tenant.of(b"n" * 32, credential), "resp_2", records.get) is None
+
+
+async def test_a_seal_key_outside_the_store_is_needed_to_open_anything():
+    recorder, records = History(), Records()
+    keyed = Tenant.of(SECRET, b"", seal_key=b"k" * 32)
+    await chain_of(recorder, records, keyed, 2)
+    assert await History().turn(Tenant.of(SECRET, b""), "resp_1", records.get) is None
+    assert await History().turn(Tenant.of(SECRET, b"", seal_key=b"k" * 32), "resp_1", records.get) is not None

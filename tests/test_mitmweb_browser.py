@@ -57,14 +57,15 @@ def test_flow_list_and_view_show_the_decision(mitmweb):
             page.goto(web_url)
             rows = page.locator(".flow-table tbody tr.has-request")
             # locator waits, not wait_for_function: mitmweb's CSP forbids the eval that needs
-            rows.nth(len(conv.sent) - 1).wait_for(timeout=20_000)
+            rows.nth(len(conv.sent)).wait_for(timeout=20_000)  # the client's, and the proof's GET
             # the flow list: the addon's marks and comments tell continued from full
             table = page.locator(".flow-table").inner_text()
             assert "full: 1 items (no stored prefix)" in table
-            assert table.count("continued from resp_") == rows.count() - 1
-            assert table.count("♻") == rows.count() - 1 and "➡" in table
+            assert table.count("continued from resp_") == len(conv.sent) - 1
+            assert table.count("♻") == len(conv.sent) - 1 and "➡" in table
+            assert table.count("can the upstream read resp_") == 1  # one proof per upstream + credential
             # open the last (continued) flow; the request body is shown by the addon's view
-            rows.nth(rows.count() - 1).click()
+            rows.nth(len(conv.sent)).click()
             page.get_by_text("Stateful Responses").first.wait_for(timeout=20_000)
             detail = page.locator(".flow-detail").inner_text()
             assert "decision: continue" in detail

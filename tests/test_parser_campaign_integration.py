@@ -519,6 +519,7 @@ class OddAnswerUpstream:
         self.writing = AnswerWriting("clean", False, PLAIN, False)
         self.log: list[dict] = []
         self._stored: dict[tuple[str, str], list] = {}
+        self._retrieved: dict[tuple[str, str], dict] = {}  # what GET /responses/{id} answers
         self._serial = itertools.count()
         self._lock = threading.Lock()
         upstream = self
@@ -535,6 +536,17 @@ class OddAnswerUpstream:
                     status, content_type, answer = upstream.answer(raw, self.headers.get("authorization", ""))
                 self.send_response(status)
                 self.send_header("content-type", content_type)
+                self.send_header("content-length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def do_GET(self) -> None:  # retrieve, as the API answers it: what proves it stores
+                response_id = self.path.rstrip("/").rsplit("/", 1)[-1]
+                with upstream._lock:
+                    found = upstream._retrieved.get((self.headers.get("authorization", ""), response_id))
+                answer = json.dumps(found if found else {"error": {"message": "not found"}}).encode()
+                self.send_response(200 if found else 404)
+                self.send_header("content-type", "application/json")
                 self.send_header("content-length", str(len(answer)))
                 self.end_headers()
                 self.wfile.write(answer)
@@ -581,6 +593,8 @@ class OddAnswerUpstream:
             self._stored[(credential, rid)] = context + output
         truth = {"id": rid, "object": "response", "status": status, "model": body.get("model"), "output": output,
                  "previous_response_id": previous, "store": store}
+        if stored:
+            self._retrieved[(credential, rid)] = truth
         record.update(status_code=200, context=context, response_id=rid, stored=stored, ids={rid, rid + "_decoy"})
         if body.get("stream"):
             record["answer"] = self._events(truth, w)

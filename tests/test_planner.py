@@ -82,9 +82,18 @@ def send(planner: Planner, upstream: ReferenceUpstream, key: str, items: list, o
         retry = planner.plan(req, rewrite=False)
         status, response, context = upstream.answer(key, json.loads(req.body), output)
         planner.retried(plan, status)
-        planner.settle(retry, status, response)
+        outcome = planner.settle(retry, status, response)
     assert status == 200
+    prove(planner, upstream, key, plan, outcome)
     return plan, response, context
+
+
+def prove(planner: Planner, upstream: ReferenceUpstream, key: str, plan, outcome) -> None:
+    """What the glue's proof does after a stored answer: ask the upstream
+    to read the response back, and mark the verdict."""
+    if outcome.kind == "advanced" and planner.upstreams.unproven(plan.scope):
+        planner.upstreams.mark("reads_back" if (key, outcome.response_id) in upstream.stored else "unsupported",
+                               plan.scope)
 
 
 def test_continues_with_exactly_the_new_items():
@@ -391,7 +400,9 @@ def test_an_answer_without_store_proves_nothing_until_the_upstream_echoed_a_cont
     watched = planner.plan(request([{"role": "user", "content": "q"}], previous_response_id="resp_0"))
     assert watched.action == "pass" and watched.watched
     planner.settle(watched, 200, _answer("resp_w", previous_response_id="resp_0"))
-    assert planner.settle(planner.plan(request(conv)), 200, _answer("resp_2")).kind == "advanced"
+    plan = planner.plan(request(conv))
+    assert planner.settle(plan, 200, _answer("resp_2")).kind == "advanced"
+    planner.upstreams.mark("reads_back", plan.scope)
     assert planner.plan(request(nxt)).action == "continue"
     # trust is per upstream + credential
     other = planner.plan(request(conv, "other"))
@@ -401,7 +412,9 @@ def test_an_answer_without_store_proves_nothing_until_the_upstream_echoed_a_cont
 def test_a_continuation_whose_answer_does_not_echo_the_id_is_not_built_upon():
     planner = Planner()
     conv = [{"role": "user", "content": "x"}]
-    planner.settle(planner.plan(request(conv)), 200, _answer("resp_1", store=True))
+    first = planner.plan(request(conv))
+    planner.settle(first, 200, _answer("resp_1", store=True))
+    planner.upstreams.mark("reads_back", first.scope)
     nxt = conv + assistant_output(1) + [{"role": "user", "content": "y"}]
     plan = planner.plan(request(nxt))
     assert plan.action == "continue"
@@ -410,6 +423,70 @@ def test_a_continuation_whose_answer_does_not_echo_the_id_is_not_built_upon():
     assert planner.plan(request(third)).previous_response_id == "resp_1"
     null_echo = planner.plan(request(third))
     assert planner.settle(null_echo, 200, _answer("resp_3", store=True, previous_response_id=None)).kind == "unsupported"
+
+
+def test_nothing_is_continued_until_the_upstream_read_a_stored_response_back():
+    planner = Planner()
+    conv = [{"role": "user", "content": "x"}]
+    first = planner.plan(request(conv))
+    assert planner.settle(first, 200, _answer("resp_1", store=True)).kind == "advanced"
+    nxt = conv + assistant_output(1) + [{"role": "user", "content": "y"}]
+    unproven = planner.plan(request(nxt))
+    assert unproven.action == "full" and "read a stored response back" in unproven.reason
+    assert planner.lookups(unproven) == []
+    planner.upstreams.mark("reads_back", first.scope)
+    assert planner.plan(request(nxt)).previous_response_id == "resp_1"
+    planner.upstreams.mark("refuses_previous", first.scope)  # what store emulation learned stops forward mode too
+    assert planner.plan(request(nxt)).action == "pass"
+
+
+def a_proven_continuation(store_answer: dict | None = None):
+    planner = Planner()
+    conv = [{"role": "user", "content": "x" * 40}]
+    first = planner.plan(request(conv))
+    planner.settle(first, 200, _answer("resp_gw_first", store=True, **(store_answer or {})))
+    planner.upstreams.mark("reads_back", first.scope)
+    nxt = conv + assistant_output(1) + [{"role": "user", "content": "y"}]
+    plan = planner.plan(request(nxt))
+    assert plan.action == "continue"
+    return planner, plan, nxt
+
+
+def test_an_echo_in_another_spelling_proves_nothing_by_itself():
+    planner, plan, nxt = a_proven_continuation()
+    outcome = planner.settle(plan, 200, _answer("resp_gw_2", store=True, previous_response_id="resp_raw_1",
+                                                usage={"input_tokens": 10}))
+    assert outcome.kind == "ignored" and planner.stats()["unsupported_upstreams"] == 0
+    assert planner.plan(request(nxt)).action == "continue"  # neither marked nor built upon
+
+
+def test_an_echo_in_another_spelling_is_honoured_when_more_was_billed_than_sent():
+    planner, plan, nxt = a_proven_continuation()
+    billed = len(plan.body) + 200
+    outcome = planner.settle(plan, 200, _answer("resp_gw_2", store=True, previous_response_id="resp_raw_1",
+                                                usage={"input_tokens": billed}))
+    assert outcome.kind == "advanced" and planner.upstreams.has("honours_previous", plan.scope)
+    third = nxt + assistant_output(1) + [{"role": "user", "content": "z"}]
+    again = planner.plan(request(third))
+    assert again.previous_response_id == "resp_gw_2"
+    assert planner.settle(again, 200, _answer("resp_gw_3", store=True, previous_response_id="resp_raw_2")).kind \
+        == "advanced"  # the scope showed it honours the field: other spellings are its ids
+
+
+@pytest.mark.parametrize("echo_id", [None, "", "chatcmpl-abc"])
+def test_an_echo_that_cannot_be_a_response_marks_the_upstream(echo_id):
+    planner, plan, _ = a_proven_continuation()
+    outcome = planner.settle(plan, 200, _answer("resp_2", store=True, previous_response_id=echo_id,
+                                                usage={"input_tokens": 10 ** 6}))
+    assert outcome.kind == "unsupported"
+
+
+def test_usage_proves_nothing_where_input_costs_tokens_without_bytes():
+    planner, plan, _ = a_proven_continuation()
+    plan.body = plan.body.replace(b'"input":[', b'"input":[{"type":"input_image","image_url":"https://x/i.png"},')
+    outcome = planner.settle(plan, 200, _answer("resp_2", store=True, previous_response_id="resp_raw",
+                                                usage={"input_tokens": 10 ** 6}))
+    assert outcome.kind == "ignored"
 
 
 # -- bodies whose meaning depends on the parser ----------------------
@@ -473,6 +550,7 @@ def test_what_the_planner_learns_reaches_the_outbox_and_a_fresh_planner_continue
     # a restart: same secret (the store's), empty memory
     second = Planner()
     second.tenancy.use_secret(first.tenancy.secret)
+    second.upstreams.load({w.key: w.value for w in first.upstreams.take_writes()})  # the marks, from the store
     nxt = conv + response["output"] + [{"role": "user", "content": "y"}]
     plan = second.plan(request(nxt, "k"))
     assert plan.action == "full" and plan.forced_store
@@ -557,6 +635,7 @@ def test_a_reference_the_store_resolves_after_a_restart():
     writes = first.take_writes()
     second = Planner()
     second.tenancy.use_secret(first.tenancy.secret)
+    second.upstreams.load({w.key: w.value for w in first.upstreams.take_writes()})  # the marks, from the store
     call = response["output"][0]
     items = conv + [{"type": "item_reference", "id": call["id"]},
                     {"type": "function_call_output", "call_id": call["call_id"], "output": "ok"}]
@@ -583,5 +662,6 @@ def test_a_background_response_waits_for_its_poll_from_the_same_tenant():
     assert planner.polled("resp_bg", other_scope, 200, finished) is None
     assert planner.polled("resp_bg", plan.scope, 200, {**queued, "status": "in_progress"}) is None
     assert planner.polled("resp_bg", plan.scope, 200, finished).kind == "advanced"
+    planner.upstreams.mark("reads_back", plan.scope)
     nxt = conv + assistant_output(1) + [{"role": "user", "content": "y"}]
     assert planner.plan(request(nxt, "k")).previous_response_id == "resp_bg"

@@ -206,11 +206,30 @@ async def test_a_table_without_a_limit_gets_the_default_one(make_storage):
 
 
 async def test_the_secret_is_created_once_and_survives_clear(storage):
-    secret = await storage.secret()
-    assert len(secret) == 32 and secret != bytes(32)
+    secret, older = await storage.keyring()
+    assert len(secret) == 32 and secret != bytes(32) and older == ()
     await storage.put("entries", {b"k": b"v"}, ttl=60)
     await storage.clear()
-    assert await storage.secret() == secret
+    assert await storage.keyring() == (secret, ())
+    assert await storage.keyring(secret) == (secret, ())
+
+
+async def test_a_secret_a_process_used_before_stays_among_the_older_ones(storage):
+    secret, _ = await storage.keyring()
+    mine = os.urandom(32)  # what a process used while the store had another (it restarted empty, say)
+    assert await storage.keyring(mine) == (secret, (mine,))
+    assert await storage.keyring() == (secret, (mine,))
+
+
+async def test_a_touch_lengthens_a_record_and_never_shortens_or_revives_one(storage):
+    await storage.put("entries", {b"short": b"1", b"long": b"2"}, ttl=0.3)
+    await storage.put("entries", {b"longest": b"3"}, ttl=60)
+    await storage.write(Batch(touches=[("entries", [b"short", b"absent", b"longest"], 30)]))
+    await asyncio.sleep(0.5)
+    assert await storage.get("entries", [b"short", b"long", b"absent", b"longest"]) == {b"short": b"1",
+                                                                                        b"longest": b"3"}
+    await storage.write(Batch(touches=[("entries", [b"long"], 30)]))  # expired: stays gone
+    assert await storage.get("entries", [b"long"]) == {}
 
 
 async def test_clear_forgets_every_table_and_the_store_stays_usable(storage):
@@ -247,7 +266,7 @@ async def main(spec, command, *args):
         sys.stdin.readline()
         await storage.open()
         if command == "secret":
-            print((await storage.secret()).hex())
+            print((await storage.keyring())[0].hex())
         elif command == "put":
             await storage.put("entries", {{bytes.fromhex(args[0]): bytes.fromhex(args[1])}}, ttl=60)
             print("stored")
@@ -336,7 +355,7 @@ async def test_two_processes_read_what_the_other_wrote(make_sqlite, sqlite_path)
 async def test_processes_creating_one_file_at_once_get_one_secret(make_sqlite, sqlite_path):
     secrets = in_other_processes(f"sqlite:{sqlite_path}", "secret", count=3)
     assert len(set(secrets)) == 1
-    assert (await make_sqlite().secret()).hex() == secrets[0]
+    assert (await make_sqlite().keyring())[0].hex() == secrets[0]
 
 
 async def test_a_file_locked_by_another_process_fails_within_the_busy_timeout(make_sqlite, sqlite_path):
@@ -526,18 +545,18 @@ async def test_two_processes_share_redis_and_one_secret(make_redis, redis_server
     storage = make_redis()
     secrets = in_other_processes(redis_server.url, "secret", count=3)
     assert len(set(secrets)) == 1
-    assert (await storage.secret()).hex() == secrets[0]
+    assert (await storage.keyring())[0].hex() == secrets[0]
     assert in_other_processes(redis_server.url, "put", "02", b"from child".hex()) == ["stored"]
     assert await storage.get("entries", [b"\x02"]) == {b"\x02": b"from child"}
 
 
 async def test_every_key_sits_under_one_hash_tag(make_redis, raw_redis):
     storage = make_redis()
-    await storage.secret()
+    await storage.keyring()
     await storage.put("entries", BINARY, ttl=60)
     await storage.put("marks", {b"m": b"1"}, ttl=60)
     keys = await raw_redis.keys("*")
-    assert len(keys) == len(BINARY) + 5  # records, two indexes, the tables set, the secret
+    assert len(keys) == len(BINARY) + 6  # records, two indexes, the tables set, the secret, the secrets used
     assert all(key.startswith(b"{stateful-responses}:") for key in keys)
     assert len({key_slot(key) for key in keys}) == 1  # one Redis Cluster slot
 
@@ -605,3 +624,14 @@ async def test_a_server_that_stops_answering_times_out_then_recovers(make_redis,
     finally:
         redis_server.resume()
     assert await storage.get("entries", [b"k"]) == {b"k": b"v"}
+
+
+async def test_a_redis_that_lost_its_secret_gets_it_back_before_any_record(make_redis, raw_redis):
+    storage = make_redis()
+    secret, _ = await storage.keyring()
+    await raw_redis.flushall()  # a restart without persistence, or an allkeys-* eviction
+    await storage.put("entries", {b"k": b"v"}, ttl=60)  # the same transaction publishes the secret again
+    assert await raw_redis.get(b"{stateful-responses}:secret") == secret
+    assert (await make_redis().keyring())[0] == secret  # a replica starting now shares it
+    await raw_redis.flushall()
+    assert await make_redis().keyring(secret) == (secret, ())  # so does a reconnect

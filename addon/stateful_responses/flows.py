@@ -9,6 +9,8 @@ import logging
 import os
 import sys
 import traceback
+import weakref
+from typing import Generic, TypeVar
 
 from mitmproxy import http
 
@@ -37,11 +39,67 @@ def hold(flow: http.HTTPFlow) -> None:
     flow.metadata[HELD] = True
 
 
-def end_still_to_come(response: http.Response) -> bool:
+def end_still_to_come(flow: http.HTTPFlow) -> bool:
     """Whether the client still waits for this answer's end after the response
-    hooks (a chunked stream: SSE). With a Content-Length it already has every
-    byte, and waiting would only hold back its next request on the connection."""
-    return "content-length" not in response.headers
+    hooks: a chunked stream (SSE), or any answer to an HTTP/2 or HTTP/3 client,
+    whose stream ends after them. An HTTP/1 answer with a Content-Length has
+    reached the client whole already, and waiting would only hold back its next
+    request on the connection."""
+    assert flow.response is not None
+    return "content-length" not in flow.response.headers or not flow.request.http_version.startswith("HTTP/1")
+
+
+def keep_end_for_hooks(flow: http.HTTPFlow) -> bool:
+    """Make the client wait for this answer's end until the response hooks
+    are done, so that what they write is durable before the client holds the
+    whole answer. An HTTP/1.1 answer with a Content-Length goes chunked instead
+    (the body's bytes unchanged: the terminating chunk follows the hooks);
+    HTTP/2 and HTTP/3 streams end after the hooks anyway. False where it cannot
+    (an HTTP/1.0 client has no chunked framing)."""
+    if end_still_to_come(flow):
+        return True
+    assert flow.response is not None
+    if flow.request.http_version != "HTTP/1.1":
+        return False
+    del flow.response.headers["content-length"]
+    flow.response.headers["transfer-encoding"] = "chunked"
+    return True
+
+
+T = TypeVar("T")
+_CLIENT_FLOW: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # our retry -> the client's flow
+
+
+def retry_of(retry: http.HTTPFlow, client: http.HTTPFlow) -> None:
+    """``retry`` is our second attempt at ``client``'s request."""
+    retry.metadata[RETRY_OF] = client.id
+    _CLIENT_FLOW[retry] = client
+
+
+def client_flow(flow: http.HTTPFlow) -> http.HTTPFlow:
+    """The client's flow: ``flow`` itself, or the one ``flow`` retries."""
+    return _CLIENT_FLOW.get(flow, flow)
+
+
+class PerFlow(Generic[T]):
+    """What an addon keeps about a flow between its hooks, for as long as
+    mitmproxy keeps the flow: no count bound that could drop a long-running
+    response, and nothing left once mitmproxy lets the flow go."""
+
+    def __init__(self) -> None:
+        self._by_flow: weakref.WeakKeyDictionary[http.HTTPFlow, T] = weakref.WeakKeyDictionary()
+
+    def get(self, flow: http.HTTPFlow) -> T | None:
+        return self._by_flow.get(flow)
+
+    def put(self, flow: http.HTTPFlow, value: T) -> None:
+        self._by_flow[flow] = value
+
+    def pop(self, flow: http.HTTPFlow) -> T | None:
+        return self._by_flow.pop(flow, None)
+
+    def __len__(self) -> int:
+        return len(self._by_flow)
 
 
 def _headers_read(fields: tuple[tuple[bytes, bytes], ...]) -> dict[str, str]:

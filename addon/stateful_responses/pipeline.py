@@ -10,6 +10,7 @@ from .forward.addon import ForwardMode
 from .forward.planner import Planner
 from .heap import FrozenStartupHeap
 from .options import Options
+from .proofs import Proofs
 from .reading import Reader
 from .record.addon import ContinuationRecord
 from .record.index import ChainIndex
@@ -32,16 +33,17 @@ def make_addons() -> list:
     index = ChainIndex(config)
     state = StateStore(config, tenancy, upstreams, planner, history, index)
     replays = Replays(counters)
+    proofs = Proofs(upstreams, replays, state, counters)
     record = ContinuationRecord(config, counters, tenancy, reader, state, index)
-    emulation = StoreEmulation(config, counters, tenancy, reader, upstreams, state, history, replays)
-    router = Router(config, counters, replays, emulation.full_history)
+    emulation = StoreEmulation(config, counters, tenancy, reader, upstreams, state, history, replays, proofs)
+    router = Router(config, counters, index, replays, emulation.full_history)
     return [
         Options(config),  # first: parses every option before the others configure
         state,
         record,  # lifts the client's own request, before any change
         router,  # picks the upstream the next two plan for
         emulation,  # before forward mode: it plans the expanded body
-        ForwardMode(planner, state, replays),
+        ForwardMode(planner, state, replays, proofs),
         router.answers,  # fails over after the two above learned from the failed answer
         record.answers,  # records what the client got, after every change
         replays,  # last: its collector wraps the others' taps

@@ -9,7 +9,7 @@ import html
 from mitmproxy import ctx, http, version
 
 from .counters import Counters
-from .flows import RETRY_OF, internal_error
+from .flows import internal_error, retry_of
 
 
 def bad_gateway(why: str) -> http.Response:
@@ -47,7 +47,8 @@ class Replays:
 
         flow.response.stream = keep
 
-    async def send(self, flow: http.HTTPFlow, request: http.Request, why: str) -> tuple[http.Response, str | None]:
+    async def send(self, flow: http.HTTPFlow, request: http.Request, why: str,
+                   kind: str = "retry") -> tuple[http.Response, str | None]:
         """The answer the client gets for ``request`` sent in its flow's place:
         the upstream's, or mitmproxy's own 502 (and why) when the retry itself
         failed, never the refusal that made us retry."""
@@ -59,8 +60,12 @@ class Replays:
             child.request = request
             child.response = None
             child.error = None
-            child.metadata = {RETRY_OF: flow.id}
-            child.comment = f"retry of {flow.id}: {why}"
+            # Who the client is stays: mitmproxy's proxyauth let the client in
+            # (and lets a replay through), and the user it let in names the tenant.
+            child.metadata = {key: flow.metadata[key] for key in ("proxyauth",) if key in flow.metadata}
+            child.is_replay = "request"
+            retry_of(child, flow)
+            child.comment = f"{kind} for {flow.id}: {why}"
             self._bodies[child.id] = None  # responseheaders starts collecting
             await ReplayHandler(child, ctx.options).replay()
         except Exception:

@@ -131,6 +131,11 @@ OPTIONS: dict[str, tuple[Any, Any, Any, str]] = {
         "Append one JSON line per LLM API call (its continuation record and mapping audit) to this file.",
     ),
     "stateful_store_max_mb": (parse_positive_int, int, 512, "Size cap of the SQLite file, in MiB."),
+    "stateful_seal_key_file": (
+        parse_text, str, "",
+        "A file holding a key (16 bytes or more) that is mixed into every seal of store emulation's records, "
+        "so that a copy of the store alone opens nothing (default: the STATEFUL_RESPONSES_SEAL_KEY variable).",
+    ),
     "stateful_debug": (parse_bool, bool, False, "Log one line per decision."),
 }
 PARSERS = {name: spec[0] for name, spec in OPTIONS.items()}
@@ -151,6 +156,7 @@ class Settings:
     max_depth: int = 1000
     record_file: str = ""
     store_max_mb: int = 512
+    seal_key_file: str = ""
     debug: bool = False
 
     @classmethod

@@ -75,6 +75,9 @@ class Tenancy:
 
     def __init__(self) -> None:
         self._secret = os.urandom(32)
+        self._from_store = False
+        self.older_secrets: tuple[bytes, ...] = ()  # what the store used before: still readable
+        self.seal_key = b""  # a key that does not live in the store, mixed into every seal (see options)
         self._scopes = Bounded(1024)  # (upstream, credential) -> (scope, label)
         self._forget: list[Callable[[], None]] = []
 
@@ -83,13 +86,21 @@ class Tenancy:
         """The keyed-hash secret (the backing store's once connected): never logged."""
         return self._secret
 
+    @property
+    def store_secret(self) -> bytes | None:
+        """The secret this process took from the store, if it has one yet."""
+        return self._secret if self._from_store else None
+
     def on_new_secret(self, forget: Callable[[], None]) -> None:
         """Call ``forget`` whenever the secret changes."""
         self._forget.append(forget)
 
-    def use_secret(self, secret: bytes) -> None:
+    def use_secret(self, secret: bytes, older: tuple[bytes, ...] = ()) -> None:
         """Hash with the backing store's secret from now on, so that every
-        process sharing the store names sequences and scopes alike."""
+        process sharing the store names sequences and scopes alike; ``older``
+        are the secrets it used before, whose records stay readable."""
+        self._from_store = True
+        self.older_secrets = tuple(s for s in older if s != secret)
         if secret != self._secret:
             self._secret = secret
             self._scopes.clear()

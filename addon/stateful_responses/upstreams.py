@@ -2,12 +2,14 @@
 (a scope, ``Tenancy.scope``): one view every capability reads and writes, so
 that what one learns holds for all the others at once.
 
-Marks: ``unsupported`` (does not store responses), ``no_forced_store``
-(refuses a forced ``store: true``), ``honours_previous`` (echoed a
-``previous_response_id`` correctly: there, an answer that omits ``store`` may
-be taken at the request's word), ``refuses_previous`` (refused or ignored a
-``previous_response_id`` the record held). Each expires; setting one queues
-the write that shares it with every process using the store.
+Marks: ``reads_back`` (the upstream returned a stored response when asked
+for it by id: the proof every continuation needs, since an answer's
+``store: true`` can be an echo of the request), ``unsupported`` (does not
+store responses), ``no_forced_store`` (refuses a forced ``store: true``),
+``honours_previous`` (answered a ``previous_response_id`` with its chain: it
+echoed the id, or billed more input than it was sent), ``refuses_previous``
+(refused or ignored a ``previous_response_id``). Each expires; setting one
+queues the write that shares it with every process using the store.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from .tenancy import Tenancy
 
 MARKS = "marks"  # kind + scope -> when it expires
 
-MarkKind = Literal["unsupported", "no_forced_store", "honours_previous", "refuses_previous"]
+MarkKind = Literal["reads_back", "unsupported", "no_forced_store", "honours_previous", "refuses_previous"]
 MARK_KINDS = frozenset(MarkKind.__args__)  # type: ignore[attr-defined]
 
 # Answers that say "not now", not "not this": the client's SDK retries them and
@@ -63,6 +65,25 @@ class Upstreams:
             if kind in MARK_KINDS and len(value) == 8:
                 expires = struct.unpack("!d", value)[0]
                 self._expires[(kind, scope)] = max(expires, self._expires.get((kind, scope), 0.0))
+
+    def continuable(self, scope: str) -> bool:
+        """Whether a ``previous_response_id`` may be sent to this upstream +
+        credential: it proved it reads stored responses back, and nothing
+        since showed it does not store, refuses or ignores the field."""
+        return self.has("reads_back", scope) and not self.cannot_continue(scope)
+
+    def cannot_continue(self, scope: str) -> bool:
+        """Whether this upstream + credential showed it cannot continue a chain."""
+        return self.has("unsupported", scope) or self.has("refuses_previous", scope)
+
+    def unproven(self, scope: str) -> bool:
+        """Neither proved to read stored responses back nor known not to store."""
+        return not self.has("reads_back", scope) and not self.has("unsupported", scope)
+
+    def proof_keys(self, scope: str) -> list[bytes]:
+        """Where the store keeps this scope's proof either way (another
+        replica may have proved it a moment ago)."""
+        return [_mark_key("reads_back", scope), _mark_key("unsupported", scope)]
 
     def take_writes(self) -> list[Write]:
         return self._outbox.take()

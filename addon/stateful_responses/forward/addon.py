@@ -19,7 +19,18 @@ from urllib.parse import urlsplit
 from mitmproxy import command, ctx, http
 from mitmproxy.utils import human
 
-from ..flows import CLIENT_BODY, DECISION, HELD, RETRY_OF, end_still_to_come, hold, internal_error, request_of
+from ..flows import (
+    CLIENT_BODY,
+    DECISION,
+    HELD,
+    RETRY_OF,
+    end_still_to_come,
+    hold,
+    internal_error,
+    keep_end_for_hooks,
+    request_of,
+)
+from ..proofs import Proofs
 from ..reading import upstream_of
 from ..replays import Replays
 from ..sse import AnswerReader
@@ -81,13 +92,14 @@ class ForwardMode:
     """Forward mode: full-history requests continued with previous_response_id
     when, and only when, the upstream provably stored the prefix."""
 
-    def __init__(self, planner: Planner, state: StateAccess, replays: Replays) -> None:
+    def __init__(self, planner: Planner, state: StateAccess, replays: Replays, proofs: Proofs) -> None:
         self.planner = planner
         self.state = state
         self.replays = replays
+        self.proofs = proofs
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self._view = None
-        self._polls: dict[str, tuple[str, str]] = {}  # flow id -> (background response id, scope)
+        self._polls: dict[str, tuple[str, str, str, str]] = {}  # flow id -> (response id, scope, label, upstream)
 
     # -- hooks ---------------------------------------------------------------
 
@@ -96,6 +108,7 @@ class ForwardMode:
             req = flow.request
             if self._may_rewrite(req) and self._would_stream(req):
                 await self.state.ready()  # planned without waiting once the body is in
+                await self._proven(flow)
                 self._collect_request(flow)
         except Exception:
             self._internal_error("reading request headers")
@@ -159,6 +172,8 @@ class ForwardMode:
             return  # planned while streamed, or streamed past the addon
         await self.state.ready()
         try:
+            if self._may_rewrite(flow.request):
+                await self._proven(flow)
             client = flow.request  # unchanged until the end: _plan copies it only if it will be
             body = self._plan(flow, client)
             pending = self._pending.get(flow.id)
@@ -175,6 +190,14 @@ class ForwardMode:
                 flow.request.content = body
         except Exception:
             self._internal_error("planning a request")
+
+    async def _proven(self, flow: http.HTTPFlow) -> None:
+        """Until the proof that this request's upstream + credential reads
+        stored responses back is over (briefly): a continuation needs it."""
+        upstream = upstream_of(flow.request.url)
+        if upstream is not None:
+            scope, _ = self.planner.tenancy.scope(upstream, credential_material(request_of(flow)))
+            await self.proofs.settled(scope)
 
     def _improve(self, flow: http.HTTPFlow, pending: _Pending, found: dict) -> bytes | None:
         """Continue from deeper than memory could, out of the backing store
@@ -235,8 +258,8 @@ class ForwardMode:
         if match is None or self.planner.background.get(match["id"]) is None:
             return
         upstream = f"{url.scheme}://{url.netloc}{match['base']}"
-        scope, _ = self.planner.tenancy.scope(upstream, credential_material(request_of(flow)))
-        self._polls[flow.id] = (match["id"], scope)
+        scope, label = self.planner.tenancy.scope(upstream, credential_material(request_of(flow)))
+        self._polls[flow.id] = (match["id"], scope, label, upstream)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is None:
@@ -254,6 +277,8 @@ class ForwardMode:
             if flow.metadata.get(HELD):
                 return  # another addon of ours holds it back: read whole in the response hook
             reader = pending.reader = _reader_for(flow.response)
+            if status < 300 and pending.plan.tracked and self.planner.upstreams.unproven(pending.plan.scope):
+                keep_end_for_hooks(flow)  # a first stored answer: its proof is written before the client has it
             downstream = flow.response.stream
 
             def tap(chunk: bytes) -> bytes:
@@ -277,9 +302,11 @@ class ForwardMode:
             try:
                 reader = _reader_for(flow.response)
                 reader.feed(flow.response.raw_content or b"")
-                outcome = self.planner.polled(*poll, flow.response.status_code, reader.finish())
+                outcome = self.planner.polled(poll[0], poll[1], flow.response.status_code, reader.finish())
                 if outcome is not None:
                     self._debug("background %s finished: %s", poll[0], outcome.detail)
+                    if outcome.kind == "advanced":
+                        self.proofs.start(flow, poll[1], poll[2], poll[3], poll[0])
                     await self.state.written(self.state.flush())
             except Exception:
                 self._internal_error("reading a polled background response")
@@ -292,8 +319,9 @@ class ForwardMode:
             await self._retry(flow, pending)
         # A streamed answer's end reaches the client after this hook: by then
         # what it taught is in the store, for every other proxy too.
-        if end_still_to_come(flow.response):
+        if end_still_to_come(flow):
             await self.state.written(pending.written)
+            await self.proofs.proven(pending.plan.scope)
 
     def error(self, flow: http.HTTPFlow) -> None:
         pending = self._pending.pop(flow.id, None)
@@ -345,6 +373,9 @@ class ForwardMode:
         flow.metadata[DECISION] = _metadata(pending.plan, outcome)
         if outcome.kind == "advanced":
             self._debug("advanced: %s %s", outcome.response_id, outcome.detail)
+            if outcome.response_id is not None:
+                plan = pending.plan
+                self.proofs.start(flow, plan.scope, plan.scope_label, plan.upstream, outcome.response_id)
         elif outcome.kind == "unsupported":
             logger.info(
                 "stateful-responses: %s does not store responses (%s); "

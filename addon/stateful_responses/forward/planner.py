@@ -175,6 +175,8 @@ class Planner:
         now = self.config.clock()
         if self.upstreams.has("unsupported", scope):
             return Plan("pass", "upstream does not store responses", upstream, model, scope, label)
+        if self.upstreams.has("refuses_previous", scope):
+            return Plan("pass", "upstream refuses or ignores previous_response_id", upstream, model, scope, label)
 
         root = self.namespace(upstream, model, credential)
         unresolved = self._resolve_references(root, digests)
@@ -207,6 +209,8 @@ class Planner:
         if not rewrite:
             return plan
         match = self.store.deepest(prefixes, now)
+        if match is not None and not self.upstreams.has("reads_back", scope):
+            match, plan.reason = None, "full; the upstream has not yet read a stored response back"
         plan.draft = _Draft(request.body, body, raw_items, force, match.length if match else 0, unresolved)
         self._shape(plan, match)
         self._count(plan)
@@ -270,7 +274,8 @@ class Planner:
         """Entries the backing store may hold that would continue ``plan``
         from deeper than memory can: every prefix deeper than memory's match
         (one round trip). Empty when memory already has the deepest possible."""
-        if plan.draft is None or plan.draft.raw_items is None or plan.sequence is None:
+        if plan.draft is None or plan.draft.raw_items is None or plan.sequence is None \
+                or not self.upstreams.has("reads_back", plan.scope):
             return []
         prefixes = plan.sequence.digests
         return prefixes[plan.draft.memory_depth : len(prefixes) - 1]
@@ -278,7 +283,7 @@ class Planner:
     def improve(self, plan: Plan, found: Mapping[bytes, StoredEntry]) -> None:
         """Continue ``plan`` from the deepest entry the backing store had
         (another process learned it, or this one before a restart)."""
-        if not found or plan.sequence is None:
+        if not found or plan.sequence is None or not self.upstreams.has("reads_back", plan.scope):
             return
         now, prefixes = self.config.clock(), plan.sequence.digests
         for k in range(len(prefixes) - 1, 0, -1):
@@ -328,9 +333,13 @@ class Planner:
         status = response.get("status")
         echoed = response.get("previous_response_id", _ABSENT)
         if plan.action == "continue" and echoed is not _ABSENT:
-            if echoed != plan.previous_response_id:
+            verdict = self._echo_verdict(plan, echoed, response)
+            if verdict == "ignored":
                 self._mark_unsupported(plan.scope)
                 return Outcome("unsupported", "upstream ignored previous_response_id", rid)
+            if verdict == "undecided":
+                return Outcome("ignored", "the answer echoes previous_response_id in another spelling and its usage "
+                               "does not show the chain was read: it proves nothing", rid)
             self.upstreams.mark("honours_previous", plan.scope)
         if status in ("queued", "in_progress") and response.get("background") is True and isinstance(rid, str):
             self.background.put(rid, plan)
@@ -370,6 +379,24 @@ class Planner:
         self.store.remember(digest, length, rid, plan.parent, plan.scope, expires)
         self._outbox.append(Write(ENTRIES, digest, encode_entry(StoredEntry(rid, length, plan.scope, expires)), self.config.ttl))
         return Outcome("advanced", f"stores {plan.items_total + len(output)} items", rid)
+
+    def _echo_verdict(self, plan: Plan, echoed: Any, response: dict) -> Literal["honoured", "ignored", "undecided"]:
+        """Whether the answer to a continuation was made from its chain.
+
+        The id echoed back decides when it is the one sent, or when it cannot
+        be one (null, empty, a chat completion's id: a gateway that bridged
+        the request and dropped the field). Gateways re-encode the ids they
+        hand out (LiteLLM echoes the upstream's raw id), so another spelling
+        proves nothing by itself: the upstream honoured the field if it billed
+        more input tokens than the bytes it was sent could make (a token is at
+        least one byte), or if it already showed it does on this scope."""
+        if echoed == plan.previous_response_id:
+            return "honoured"
+        if not isinstance(echoed, str) or not echoed or echoed.startswith("chatcmpl"):
+            return "ignored"
+        if _billed_more_than_sent(plan, response) or self.upstreams.has("honours_previous", plan.scope):
+            return "honoured"
+        return "undecided"
 
     def _observe(self, plan: Plan, status_code: int, response: Any) -> Outcome:
         """A client's own continuation: an answer that echoes its
@@ -429,6 +456,24 @@ class Planner:
 
     def stats(self) -> dict[str, int]:
         return {**vars(self.counters), "branches": self.store.branch_count}
+
+
+# Input that costs tokens without bytes on the wire: a file or an image by reference.
+_TOKENS_WITHOUT_BYTES = (b'"input_image"', b'"input_file"', b'"file_id"', b'"input_audio"', b'"file_url"')
+# Tokens a server may add around what it was sent: a chat template's per-message markers, tool formatting.
+_TEMPLATE_TOKENS, _TEMPLATE_TOKENS_PER_ITEM = 64, 16
+
+
+def _billed_more_than_sent(plan: Plan, response: dict) -> bool:
+    """The answer's ``usage.input_tokens`` exceeds what the body sent could
+    have made, so the upstream read the stored chain too."""
+    usage = response.get("usage")
+    tokens = usage.get("input_tokens") if isinstance(usage, dict) else None
+    sent = plan.body
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or sent is None \
+            or any(marker in sent for marker in _TOKENS_WITHOUT_BYTES):
+        return False
+    return tokens > len(sent) + _TEMPLATE_TOKENS + _TEMPLATE_TOKENS_PER_ITEM * plan.items_sent
 
 
 def plan_summary(plan: Plan) -> str:

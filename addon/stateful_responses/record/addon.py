@@ -259,4 +259,11 @@ def _changes_made(flow: http.HTTPFlow, protocol: str) -> list:
                                    "the upstream got full history instead", protocol))
         changes.append(audit_entry("instructions", "dropped", "earlier turns' instructions are not carried "
                                    "over (the API does not inherit them)", protocol))
+    if emulated.get("reasoning_dropped"):
+        changes.append(audit_entry("reasoning", "dropped", f"{emulated['reasoning_dropped']} recorded reasoning items "
+                                   "named by id without their encrypted_content: an upstream that persists nothing "
+                                   "cannot read them", protocol))
+    if emulated.get("references_expanded"):
+        changes.append(audit_entry("item_reference", "preserved", "references to recorded items expanded from the "
+                                   "record: the upstream stores nothing", protocol))
     return changes

@@ -144,6 +144,7 @@ class ChainIndex:
     turns: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)  # digest -> TurnRef
     responses: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)  # key -> TurnRef
     tips: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)  # chain id -> turn id
+    homes: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)  # turn id -> who answered it
     _outbox: Outbox = field(default_factory=Outbox, repr=False)
 
     tables = {CHAIN_TURNS: 1_000_000, CHAIN_RESPONSES: 1_000_000, CHAIN_TIPS: 1_000_000}
@@ -155,6 +156,7 @@ class ChainIndex:
         self.turns.clear()
         self.responses.clear()
         self.tips.clear()
+        self.homes.clear()
         self._outbox.clear()
 
     def begin(self, request: LiftedRequest, credential: bytes, secret: bytes, *, flow_id: str,
@@ -212,6 +214,8 @@ class ChainIndex:
                 unresolved.append(prefixes[k - 1])
         turn.unresolved = unresolved if not stored else []
         turn.previous = previous
+        if previous is not None:
+            self.homes.put(previous.turn_id, previous.upstream)
         self._decide_chain(turn)
 
     def _decide_chain(self, turn: Turn) -> None:
@@ -222,6 +226,11 @@ class ChainIndex:
         tip = self.tips.hit(previous.chain_id)
         turn.fork = tip is not None and tip != previous.turn_id
         turn.chain_id = new_id("chain") if turn.fork else previous.chain_id
+
+    def upstream_of(self, turn_id: str | None) -> str | None:
+        """The upstream that answered a turn this process has met (read from
+        the store when another process or a restart recorded it)."""
+        return self.homes.get(turn_id) if turn_id else None
 
     def claim(self, turn: Turn) -> None:
         """The turn is on its way upstream: it is its chain's tip now, so a
@@ -239,6 +248,7 @@ class ChainIndex:
         except (Ambiguous, RecursionError):
             return  # an answer other clients would read differently: nothing continues from it
         ref = TurnRef(turn.turn_id, turn.chain_id, turn.protocol, turn.flow_id, answer.response_id, turn.upstream)
+        self.homes.put(turn.turn_id, turn.upstream)
         value = _ENCODE(ref)
         if digests:
             key = turn.sequence.extended(digests).digests[-1]

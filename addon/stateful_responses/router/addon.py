@@ -1,13 +1,17 @@
 """The router's mitmproxy glue: ``stateful_upstreams``.
 
 Listed after the continuation record and before store emulation and forward
-mode: it reads the record (``routing.Routes`` decides), points the flow at the
-chosen upstream, and those two then plan for that upstream. An upstream that
-refuses connections is found by a connect probe before it is used after a
-quiet second, and avoided; a 5xx is held back and the turn goes to another
-upstream with full history (reasoning another upstream encrypted cannot
-travel: the audit says so). A connection that fails after the probe gets
-mitmproxy's 502 (its SDK retries, and the retry goes elsewhere).
+mode: it reads the record (``routes.Routes`` decides, with who answered the
+turn it continues as the chain index recorded it, so a restart or another
+replica routes alike), points the flow at the chosen upstream, and those two
+then plan for that upstream. An upstream that refuses connections is found by
+a connect probe before it is used after a quiet second, and avoided; a 5xx is
+held back and the turn goes to another upstream with full history (reasoning
+another upstream encrypted cannot travel: the audit says so). A turn that
+needs its upstream's stored state moves only if store emulation can expand its
+chain; otherwise it stays there, and a 5xx reaches the client, whose SDK
+retries it there. A connection that fails after the probe gets mitmproxy's 502
+(its SDK retries, and the retry goes elsewhere).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from ..counters import Counters
 from ..flows import CONTINUATION, RETRY_OF, ROUTED, hold, internal_error
 from ..reading import splice
 from ..replays import Replays
+from ..record.index import ChainIndex
 from ..settings import Config
 from .routes import Route, Routes
 
@@ -76,9 +81,10 @@ def without_foreign_reasoning(body: bytes) -> tuple[bytes, int]:
 
 
 class Router:
-    def __init__(self, config: Config, counters: Counters, replays: Replays, expand) -> None:
+    def __init__(self, config: Config, counters: Counters, index: ChainIndex, replays: Replays, expand) -> None:
         self.config = config
         self.counters = counters
+        self.index = index
         self.replays = replays
         self.expand = expand  # async (flow, client request) -> full-history body or None (store emulation)
         self.routes: Routes | None = None
@@ -95,20 +101,32 @@ class Router:
             return
         try:
             record = flow.metadata.get(CONTINUATION) or {}
-            route = routes.choose(record)
+            resume = record.get("resumeFrom") or {}
+            answered_by = self.index.upstream_of(resume.get("turnId") or record.get("previousTurnId"))
+            route = await self._choose(flow, record, answered_by)
             while routes.needs_probe(route.upstream) and not await reachable(route.upstream):
                 routes.failed(route.upstream)
                 logger.warning("stateful-responses: upstream %s refused a connection; avoided for a while",
                                urlsplit(route.upstream).netloc)
-                if not any(routes.up(u) for u in routes.upstreams):
+                if not any(routes.up(u) for u in routes.upstreams) or route.upstream == route.home:
                     break
-                route = routes.choose(record)
+                route = await self._choose(flow, record, answered_by)
             self._clients[flow.id] = flow.request.copy()
             point_at(flow.request, route.upstream)
             routes.started(route.upstream)
             flow.metadata[ROUTED] = {"upstream": route.upstream, "reason": route.reason, "moved": route.moved}
         except Exception:
             internal_error(self.counters, "routing a request")
+
+    async def _choose(self, flow: http.HTTPFlow, record: dict, answered_by: str | None) -> Route:
+        """The route, unless it moves a turn that needs its upstream's stored
+        state and cannot travel as full history: that one stays home."""
+        assert self.routes is not None
+        route = self.routes.choose(record, answered_by)
+        if route.moved and route.home is not None and record.get("stickyScope") == "request_chain" \
+                and await self.expand(flow, flow.request) is None:
+            return Route(route.home, "its parent's state is there only")
+        return route
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if ROUTED in flow.metadata and flow.response is not None and flow.response.status_code >= 500 \
@@ -151,7 +169,10 @@ class Router:
         route: Route = self.routes.choose({**record, "stickyScope": "request"})
         if route.upstream == failed:
             return  # nowhere else to go: the client gets the upstream's own answer
-        body = await self.expand(flow, client) or client.raw_content or b""
+        body = await self.expand(flow, client)
+        if body is None and record.get("stickyScope") == "request_chain":
+            return  # its state is there only: the client's SDK retries, and the retry goes home
+        body = body or client.raw_content or b""
         body, dropped = without_foreign_reasoning(body)
         retry = client.copy()
         retry.content = body

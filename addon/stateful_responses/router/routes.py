@@ -32,6 +32,7 @@ class Route:
     upstream: str
     reason: str
     moved: bool = False  # the turn's state lives elsewhere: it must travel as full history
+    home: str | None = None  # where its state lives, when moved
 
 
 @dataclass
@@ -45,19 +46,22 @@ class Routes:
     _chosen: dict[str, int] = field(default_factory=dict)  # when each upstream last got a new chain
     _turn: int = 0
 
-    def choose(self, record: Mapping[str, Any]) -> Route:
-        """Where this record's turn goes."""
+    def choose(self, record: Mapping[str, Any], answered_by: str | None = None) -> Route:
+        """Where this record's turn goes. ``answered_by``: who answered the
+        turn it continues, as the chain index recorded it (another process
+        or a restart routed it), where this process's memory has nothing."""
         resume = record.get("resumeFrom") or {}
         home = None
         for key in (resume.get("turnId"), record.get("previousTurnId"), record.get("chainId")):
             if key and (home := self.homes.hit(key)) is not None:
                 break
+        home = home or answered_by
         if home is not None and home in self.upstreams:
             if self.up(home):
                 why = "its parent's state is there" if record.get("stickyScope") == "request_chain" \
                     else "its chain lives there"
                 return Route(home, why)
-            return Route(self._least_busy(exclude=home), f"its upstream {home} is down", moved=True)
+            return Route(self._least_busy(exclude=home), f"its upstream {home} is down", moved=True, home=home)
         return Route(self._least_busy(), "a new chain: fewest requests in flight")
 
     def settle(self, record: Mapping[str, Any], upstream: str) -> None:

@@ -21,5 +21,6 @@ class StateAccess(Protocol):
     def flush(self) -> asyncio.Future | None:
         """Queue every outbox for the store; the future is done once written."""
 
-    async def written(self, done: asyncio.Future | None) -> None:
-        """Wait, briefly, until writes are visible to the other processes."""
+    async def written(self, done: asyncio.Future | None, timeout: float = ...) -> None:
+        """Wait, ``timeout`` at most, until writes are durable and visible to
+        the other processes."""

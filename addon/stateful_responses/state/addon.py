@@ -110,17 +110,32 @@ class StateStore:
                         self.storage = open_storage(s.store, confdir, self._limits(),
                                                     max_bytes=s.store_max_mb * 1024 * 1024)
                     await self.storage.open()
-                    self.tenancy.use_secret(await self.storage.secret())
+                    await self._share_secret(self.storage)
                     self.upstreams.load(await self.storage.scan(MARKS))
                     self.up = True
                     self._recovered()
                 else:
+                    await self._share_secret(self.storage)
                     self.upstreams.load(await self.storage.scan(MARKS))
             except StorageError as e:
                 self._failed(e)
             if self._attempted is not None:
                 self._attempted.set()
             await asyncio.sleep(MARKS_EVERY if self.up else RETRY_AFTER)
+
+    async def _share_secret(self, storage: Storage) -> None:
+        """Take the store's secret, giving it ours back if it lost its own (a
+        Redis restarted without persistence, an evicted key): on every
+        (re)connect, before any write, and now and then. Should the store hold
+        another secret by now (another proxy started while it was empty), that
+        one is used from now on and ours stays readable as an older one: what
+        was written under it is never lost."""
+        ours = self.tenancy.store_secret
+        secret, older = await storage.keyring(ours)
+        if ours is not None and secret != ours:
+            logger.warning("stateful-responses: the state store %s has another secret than this proxy had; using "
+                           "it from now on (records made under the old one stay readable)", storage.name)
+        self.tenancy.use_secret(secret, older)
 
     def _failed(self, error: StorageError) -> None:
         self.up = False
@@ -189,10 +204,11 @@ class StateStore:
         return done
 
     @staticmethod
-    async def written(done: asyncio.Future | None) -> None:
-        """Wait, briefly, until writes are visible to the other processes."""
+    async def written(done: asyncio.Future | None, timeout: float = FLUSH_WAIT) -> None:
+        """Wait, ``timeout`` at most, until writes are durable and visible to
+        the other processes."""
         if done is not None:
-            await asyncio.wait({done}, timeout=FLUSH_WAIT)
+            await asyncio.wait({done}, timeout=timeout)
 
     async def _write_loop(self) -> None:
         assert self._queue is not None
@@ -268,13 +284,20 @@ def _drain(name: str, settings: Settings, limits: dict[str, int], writes: list[W
 
 
 async def _apply(storage: Storage, writes: list[Write]) -> None:
-    """Apply writes in one batch: what counts is each key's last write, so
-    puts are grouped by table and expiry, deletes by table; a record that must
-    not replace another is checked on its own first."""
+    """Apply writes in one batch: what counts is each key's last put or
+    delete, so puts are grouped by table and expiry, deletes by table; a
+    record that must not replace another is checked on its own first. Touches
+    only ever lengthen a record's life, so they are applied last, the longest
+    of each key's."""
     last: dict[tuple[str, bytes], Write] = {}
+    touches: dict[tuple[str, bytes], float] = {}
     for write in writes:
-        last.pop((write.table, write.key), None)  # the newest write of a key keeps its place
-        last[(write.table, write.key)] = write
+        where = (write.table, write.key)
+        if write.touch:
+            touches[where] = max(write.ttl, touches.get(where, 0.0))
+            continue
+        last.pop(where, None)  # the newest write of a key keeps its place
+        last[where] = write
     puts: dict[tuple[str, float], dict[bytes, bytes]] = {}
     deletes: dict[str, list[bytes]] = {}
     for write in last.values():
@@ -284,8 +307,12 @@ async def _apply(storage: Storage, writes: list[Write]) -> None:
             deletes.setdefault(write.table, []).append(write.key)
         else:
             puts.setdefault((write.table, write.ttl), {})[write.key] = write.value
+    renewals: dict[tuple[str, float], list[bytes]] = {}
+    for (table, key), ttl in touches.items():
+        renewals.setdefault((table, ttl), []).append(key)
     await storage.write(Batch(puts=[(table, records, ttl) for (table, ttl), records in puts.items()],
-                              deletes=list(deletes.items())))
+                              deletes=list(deletes.items()),
+                              touches=[(table, keys, ttl) for (table, ttl), keys in renewals.items()]))
 
 
 async def _merged(storage: Storage, write: Write) -> Write:

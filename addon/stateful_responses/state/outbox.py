@@ -15,12 +15,14 @@ from typing import Protocol
 
 @dataclass(frozen=True)
 class Write:
-    """One change to the backing store: a put (value) or a delete (None)."""
+    """One change to the backing store: a put (value), a delete (None), or a
+    touch: keep the record, if it is there, at least ``ttl`` from now."""
 
     table: str
     key: bytes
     value: bytes | None
     ttl: float = 0.0
+    touch: bool = False
     # For a record that must not silently replace a different one: given the
     # stored value, what to store instead (None: this write as it is).
     merge: Callable[[bytes, bytes], bytes | None] | None = None

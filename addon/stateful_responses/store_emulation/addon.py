@@ -1,23 +1,27 @@
-"""Store emulation's mitmproxy glue: clients that send
-``previous_response_id`` keep working where the upstream stores nothing,
-forgets, or silently ignores the field.
+"""Store emulation's mitmproxy glue: clients that send ``previous_response_id``
+keep working where the upstream stores nothing, forgets, or silently ignores
+the field.
 
 ``stateful_emulate``:
 
 * ``off``: nothing recorded, nothing changed.
 * ``auto``: every completed answer of a matched flow is recorded. A client's
-  ``previous_response_id`` goes upstream as it is, unless the record shows the
-  upstream cannot have it (its answer did not say it stored it, or that
-  upstream + credential refused one before, or does not store at all): then
-  the proxy expands the chain into full history. A refusal that names the id
-  is retried invisibly with the chain expanded, streams included.
-* ``always``: the proxy is the store: ``previous_response_id`` never reaches
-  the upstream, an unknown id gets the API's error from the proxy itself, and
-  retrieve / input_items / delete are answered from the record.
+  ``previous_response_id`` goes upstream as it is while that upstream +
+  credential has proved it reads stored responses back and the turn was
+  stored there; otherwise the proxy expands the chain into full history. A
+  refusal that names the id is retried invisibly with the chain expanded,
+  streams included.
+* ``always``: the proxy is the store for what it recorded: such a
+  ``previous_response_id`` never reaches the upstream, ``item_reference``s to
+  recorded items are expanded, and retrieve / input_items / delete of a
+  recorded response are answered from the record. Ids it never recorded go
+  upstream untouched.
 
-An expanded request then goes through forward mode like any full-history one
-(an upstream that stores may still be sent only a delta). Listed before
-ForwardMode, so that it plans the expanded body.
+A turn is recorded only if the client did not send ``store: false``, and its
+answer reaches the client whole only once the record is written (bounded by
+``RECORD_WAIT``). An expanded request then goes through forward mode like any
+full-history one (an upstream that stores may still be sent only a delta).
+Listed before ForwardMode, so that it plans the expanded body.
 """
 
 from __future__ import annotations
@@ -27,15 +31,29 @@ import dataclasses
 import json
 import logging
 import re
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from mitmproxy import http
+import msgspec
+from mitmproxy import exceptions, http
 
 from ..counters import Counters
-from ..flows import CLIENT_BODY, EMULATION, HELD, RETRY_OF, ROUTED, end_still_to_come, hold, internal_error, \
-    request_of
+from ..flows import (
+    CLIENT_BODY,
+    EMULATION,
+    HELD,
+    RETRY_OF,
+    ROUTED,
+    PerFlow,
+    client_flow,
+    end_still_to_come,
+    hold,
+    internal_error,
+    keep_end_for_hooks,
+    request_of,
+)
+from ..items import normalize_item, strict_loads
+from ..proofs import Proofs
 from ..reading import Reader, Reading, Skip, splice
 from ..replays import Replays
 from ..settings import Config
@@ -45,15 +63,17 @@ from ..state.storage import StorageError
 from ..tenancy import Tenancy, credential_material
 from ..upstreams import TRANSIENT_STATUSES, Upstreams
 from .history import History, Turn, listed_items, response_json, string_input_item
-from .turns import Tenant
+from .turns import Tenant, seal_key
 from .walk import ChainError
 
 logger = logging.getLogger(__name__)
 
-MAX_FLOWS = 10_000
 NOT_FOUND_RETRY = 0.1  # a turn another proxy has just written may take this long to be visible
+RECORD_WAIT = 1.0  # an answer's end waits this long at most for its turn to be written
+RENEWALS = 2  # chains renewed at once in the background
 LIST_PARAMETERS = frozenset({"limit", "order", "after", "before", "include", "include[]"})
 _RESOURCE = re.compile(r"^(?P<base>.*)/responses/(?P<id>[^/]+)(?P<items>/input_items)?/?$")
+_ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
 
 
 @dataclass
@@ -62,11 +82,15 @@ class _Flow:
 
     tenant: Tenant
     scope: str
+    label: str
+    upstream: str  # the base URL
     previous_response_id: str | None  # the client's
-    raw_input: list[bytes]  # the client's input items, byte for byte
+    raw_input: list[bytes]  # the client's input items, byte for byte (references resolved)
     client: http.Request  # the client's request
+    record_turn: bool = True  # False: the client sent store: false
     moved: bool = False  # routed away from the upstream that holds the chain
     expanded: bytes | None = None  # the body sent instead, chain expanded
+    deleting: Turn | None = None  # a DELETE of this recorded turn, also sent upstream
     reader: AnswerReader | None = None
     recorded: bool = False
     written: asyncio.Future | None = field(default=None, repr=False)
@@ -81,6 +105,10 @@ def _not_found(response_id: str) -> http.Response:
                                           "type": "invalid_request_error", "param": None, "code": None}})
 
 
+def _deleted(response_id: str) -> http.Response:
+    return _json_response(200, {"id": response_id, "object": "response", "deleted": True})
+
+
 def _names_the_refusal(body: bytes, response_id: str) -> bool:
     """A 4xx that is about the previous response: it names the field or the id
     (OpenAI's previous_response_not_found, vLLM's 404, "not supported")."""
@@ -88,9 +116,40 @@ def _names_the_refusal(body: bytes, response_id: str) -> bool:
     return "previous_response" in text or "previous response" in text or response_id.lower() in text
 
 
+def _reference_id(raw: bytes) -> str | None:
+    """The id an ``item_reference`` item names (typed, or an id alone), else None."""
+    if b'"id"' not in raw or (b"item_reference" not in raw and b'"type"' in raw) or b'"role"' in raw:
+        return None
+    try:
+        item = normalize_item(strict_loads(raw))
+    except (ValueError, RecursionError):
+        return None
+    if item.get("type") == "item_reference" and item.keys() == {"type", "id"} and isinstance(item["id"], str):
+        return item["id"]
+    return None
+
+
+def _without_unreadable_reasoning(items: list[bytes]) -> tuple[list[bytes], int]:
+    """Items without the reasoning items an upstream that persists nothing
+    cannot read: those named by id only (OpenAI answers 404 "Items are not
+    persisted when `store` is set to false"). Reasoning carried with its
+    ``encrypted_content`` travels; how many were dropped."""
+    kept = [raw for raw in items
+            if b'"reasoning"' not in raw or b'"encrypted_content"' in raw or not _is_reasoning_by_id(raw)]
+    return kept, len(items) - len(kept)
+
+
+def _is_reasoning_by_id(raw: bytes) -> bool:
+    try:
+        item = json.loads(raw)
+    except ValueError:
+        return False
+    return isinstance(item, dict) and item.get("type") == "reasoning" and not item.get("encrypted_content")
+
+
 class StoreEmulation:
     def __init__(self, config: Config, counters: Counters, tenancy: Tenancy, reader: Reader, upstreams: Upstreams,
-                 state: StateAccess, history: History, replays: Replays) -> None:
+                 state: StateAccess, history: History, replays: Replays, proofs: Proofs) -> None:
         self.config = config
         self.counters = counters
         self.tenancy = tenancy
@@ -99,11 +158,37 @@ class StoreEmulation:
         self.state = state
         self.history = history
         self.replays = replays
-        self._flows: OrderedDict[str, _Flow] = OrderedDict()
+        self.proofs = proofs
+        self._flows: PerFlow[_Flow] = PerFlow()
+        self._renewals = asyncio.Semaphore(RENEWALS)
+        self._keyless_said = False
 
     @property
     def mode(self) -> str:
         return self.config.settings.emulate
+
+    def configure(self, updated: set[str]) -> None:
+        if "stateful_seal_key_file" in updated:
+            try:
+                self.tenancy.seal_key = seal_key(self.config.settings.seal_key_file)
+            except OSError as e:
+                raise exceptions.OptionsError(f"stateful_seal_key_file: cannot read it ({e.strerror})") from None
+            except ValueError as e:
+                raise exceptions.OptionsError(f"stateful_seal_key_file: {e}") from None
+        if updated & {"stateful_emulate", "stateful_seal_key_file"}:
+            self._say_if_keyless()
+
+    def _say_if_keyless(self) -> None:
+        if self.mode != "off" and not self.tenancy.seal_key and not self._keyless_said:
+            self._keyless_said = True
+            logger.warning("stateful-responses: store emulation seals conversations with each request's credential "
+                           "and the store's secret, which lives in the store: tenants without a credential, or with "
+                           "a placeholder key everyone knows, are not protected at rest. Set "
+                           "stateful_seal_key_file (or STATEFUL_RESPONSES_SEAL_KEY) to protect them.")
+
+    def _tenant(self, credential: bytes) -> Tenant:
+        t = self.tenancy
+        return Tenant.of(t.secret, credential, seal_key=t.seal_key, older_secrets=t.older_secrets)
 
     # -- requests ------------------------------------------------------------------
 
@@ -128,39 +213,44 @@ class StoreEmulation:
         raw_input = reading.raw_items
         if raw_input is None:  # a string input is one user message
             raw_input = [string_input_item(bytes(reading.fields["input"]))]
-        tenant = Tenant.of(self.tenancy.secret, reading.credential)
         previous = reading.previous if isinstance(reading.previous, str) else None
-        moved = bool((flow.metadata.get(ROUTED) or {}).get("moved"))
-        record = _Flow(tenant, reading.scope, previous, raw_input, client, moved)
-        self._remember(flow.id, record)
+        record = _Flow(self._tenant(reading.credential), reading.scope, reading.label, reading.upstream, previous,
+                       raw_input, client,
+                       record_turn=reading.client_store is not False,
+                       moved=bool((flow.metadata.get(ROUTED) or {}).get("moved")))
+        self._flows.put(flow, record)
         if previous is None:
-            return  # full history: only recorded
+            if self.mode == "always":  # references to what the proxy recorded: the upstream has none of it
+                await self._resolve_references(flow, reading, record)
+            return
         if self.mode == "auto" and not await self._upstream_cannot_have(record):
             flow.metadata[EMULATION] = {"previous_response_id": previous, "expanded": False}
             return  # sent as it is; a refusal naming it is retried expanded
         try:
-            record.expanded = await self._expand(reading, record)
+            record.expanded, dropped = await self._expand(reading, record)
         except StorageError:
             return  # the record is out of reach: the request goes as the client sent it
         except ChainError as e:
-            if self.mode == "always":
+            unknown_here = e.code == "previous_response_not_found" and e.previous_response_id is None
+            if self.mode == "always" and not (unknown_here and self.upstreams.continuable(record.scope)):
                 flow.response = _json_response(400, e.body)
                 flow.comment = f"emulated: {e.code} for {previous}"
                 flow.metadata[EMULATION] = {"previous_response_id": previous, "error": e.code}
-            return  # auto: the upstream may know an id the record does not
+            return  # an id the record does not know, for an upstream that may: it goes as it is
         flow.metadata[CLIENT_BODY] = client.raw_content
-        flow.metadata[EMULATION] = {"previous_response_id": previous, "expanded": True}
+        flow.metadata[EMULATION] = {"previous_response_id": previous, "expanded": True, "reasoning_dropped": dropped}
         flow.comment = f"emulated: {previous} expanded"
         flow.request.content = record.expanded
         self._debug("expanded %s", previous)
 
     async def _upstream_cannot_have(self, record: _Flow) -> bool:
-        """In auto mode: whether the record shows the upstream cannot continue
-        from the client's id (so sending it would fail or, worse, be ignored)."""
-        if self.upstreams.has("unsupported", record.scope) or self.upstreams.has("refuses_previous", record.scope):
+        """In auto mode: whether the upstream cannot continue from the client's
+        id (so sending it would fail or, worse, be ignored): it has not proved
+        it reads stored responses back, or it showed it does not store or
+        refuses the field, or the turn is not stored there."""
+        await self.proofs.settled(record.scope)
+        if not self.upstreams.continuable(record.scope) or record.moved:
             return True
-        if record.moved:
-            return True  # the router sent the turn away from the upstream that holds its chain
         assert record.previous_response_id is not None
         try:
             turn = await self.history.turn(record.tenant, record.previous_response_id, self.state.get_strict)
@@ -168,34 +258,67 @@ class StoreEmulation:
             return False
         return turn is not None and not turn.header.stored_upstream
 
-    async def _expand(self, reading: Reading, record: _Flow) -> bytes:
+    async def _expand(self, reading: Reading, record: _Flow) -> tuple[bytes, int]:
         """The client's body with the chain its previous_response_id names in
-        front of its input, that field dropped, every other byte its own."""
+        front of its input, that field dropped, every other byte its own; how
+        many reasoning items were dropped (see ``_without_unreadable_reasoning``)."""
         assert record.previous_response_id is not None
+        get = self.state.get_strict
         try:
-            context = await self.history.context(record.tenant, record.previous_response_id, self.state.get_strict)
+            context = await self.history.context(record.tenant, record.previous_response_id, get)
         except ChainError as e:
             if e.code != "previous_response_not_found":
                 raise
             await asyncio.sleep(NOT_FOUND_RETRY)  # written by another proxy a moment ago?
-            context = await self.history.context(record.tenant, record.previous_response_id, self.state.get_strict)
-        items = b"[" + b",".join(context + record.raw_input) + b"]"
-        return splice(record.client.raw_content or b"", reading.fields, {"input": items, "previous_response_id": None})
+            context = await self.history.context(record.tenant, record.previous_response_id, get)
+        items = await self._referenced(record.tenant, context + record.raw_input)
+        dropped = 0
+        if not (self.upstreams.has("reads_back", record.scope) and reading.client_store is not False):
+            items, dropped = _without_unreadable_reasoning(items)
+        body = splice(record.client.raw_content or b"", reading.fields,
+                      {"input": b"[" + b",".join(items) + b"]", "previous_response_id": None})
+        return body, dropped
+
+    async def _referenced(self, tenant: Tenant, items: list[bytes]) -> list[bytes]:
+        """``items`` with every ``item_reference`` to a recorded item replaced
+        by that item; references the record does not know stay."""
+        ids = {i: ref for i, raw in enumerate(items) if (ref := _reference_id(raw)) is not None}
+        if not ids:
+            return items
+        found = await self.history.referenced(tenant, list(ids.values()), self.state.get_strict)
+        return [found.get(ids[i], raw) if i in ids else raw for i, raw in enumerate(items)]
+
+    async def _resolve_references(self, flow: http.HTTPFlow, reading: Reading, record: _Flow) -> None:
+        try:
+            resolved = await self._referenced(record.tenant, record.raw_input)
+        except (StorageError, ChainError):
+            return
+        if resolved == record.raw_input:
+            return
+        flow.metadata[CLIENT_BODY] = record.client.raw_content
+        flow.metadata[EMULATION] = {"references_expanded": True}
+        flow.request.content = splice(record.client.raw_content or b"", reading.fields,
+                                      {"input": b"[" + b",".join(resolved) + b"]"})
+        record.raw_input = resolved
 
     async def full_history(self, flow: http.HTTPFlow, client: http.Request) -> bytes | None:
         """The client's request as full history (its chain expanded), for a
         turn that must move to another upstream; None when it already is full
         history, or when the record cannot expand it."""
-        record = self._flows.get(flow.id)
+        record = self._flows.get(flow)
         if record is not None and record.expanded is not None:
             return record.expanded
-        if record is None or record.previous_response_id is None:
+        if self.mode == "off":
             return None
         reading = self.reader.read(request_of(flow, client), count=False)
-        if isinstance(reading, Skip):
+        if isinstance(reading, Skip) or not isinstance(reading.previous, str):
             return None
+        raw_input = reading.raw_items if reading.raw_items is not None \
+            else [string_input_item(bytes(reading.fields["input"]))]
+        record = record or _Flow(self._tenant(reading.credential), reading.scope, reading.label, reading.upstream,
+                                 reading.previous, raw_input, client)
         try:
-            return await self._expand(reading, record)
+            return (await self._expand(reading, record))[0]
         except (ChainError, StorageError):
             return None
 
@@ -204,8 +327,7 @@ class StoreEmulation:
     async def _resource(self, flow: http.HTTPFlow, method: str) -> None:
         url = urlsplit(flow.request.url)
         match = _RESOURCE.match(url.path)
-        settings = self.config.settings
-        if match is None or not settings.url_matches(flow.request.url):
+        if match is None or not self.config.settings.url_matches(flow.request.url):
             return
         response_id, listing = match["id"], bool(match["items"])
         if method == "DELETE" and listing:
@@ -213,33 +335,30 @@ class StoreEmulation:
         # The query string is credential material (gateways take keys there),
         # except the list's own parameters.
         query = [(k, v) for k, v in parse_qsl(url.query, keep_blank_values=True) if k not in LIST_PARAMETERS]
-        reading = request_of(flow)
-        reading = dataclasses.replace(reading, url=urlunsplit(url._replace(query=urlencode(query))))
+        reading = dataclasses.replace(request_of(flow), url=urlunsplit(url._replace(query=urlencode(query))))
         credential = credential_material(reading)
-        tenant = Tenant.of(self.tenancy.secret, credential)
+        tenant = self._tenant(credential)
         upstream = f"{url.scheme}://{url.netloc}{match['base']}"
-        scope, _ = self.tenancy.scope(upstream, credential)
-        answer_here = self.mode == "always" or self.upstreams.has("unsupported", scope) \
-            or self.upstreams.has("refuses_previous", scope)
-        if method == "DELETE" and not answer_here:
-            # The upstream deletes its copy; ours must go too, or a later
-            # refusal would bring the deleted response back from the record.
-            self._remember(flow.id, _Flow(tenant, scope, response_id, [], flow.request.copy()))
-            flow.metadata[EMULATION] = {"delete": response_id}
-            return
-        if not answer_here:
+        scope, label = self.tenancy.scope(upstream, credential)
+        record = _Flow(tenant, scope, label, upstream, response_id, [], flow.request.copy())
+        if self.mode != "always" and not self.upstreams.cannot_continue(scope):
+            if method == "DELETE":
+                # The upstream deletes its copy; ours must go too, or a later
+                # refusal would bring the deleted response back from the record.
+                self._flows.put(flow, record)
+                flow.metadata[EMULATION] = {"delete": response_id}
             return
         try:
             turn = await self.history.turn(tenant, response_id, self.state.get_strict)
         except StorageError:
             return  # the record is out of reach: ask the upstream
         if turn is None:
-            flow.response = _not_found(response_id)
+            return  # never recorded here: the upstream's to answer
+        if turn.header.status != "completed":
+            flow.response = _not_found(response_id)  # deleted through the proxy
         elif method == "DELETE":
-            self.history.forget(tenant, response_id)
-            flow.metadata[EMULATION] = {"deleted": response_id}
-            await self.state.written(self.state.flush())
-            flow.response = _json_response(200, {"id": response_id, "object": "response", "deleted": True})
+            await self._delete(flow, record, turn)
+            return
         elif listing:
             flow.response = await self._input_items(tenant, turn, dict(parse_qsl(url.query)))
         else:
@@ -247,13 +366,34 @@ class StoreEmulation:
             flow.response = http.Response.make(200, response_json(turn, output), {"Content-Type": "application/json"})
         flow.comment = f"emulated: {method} {response_id} answered from the record"
 
+    async def _delete(self, flow: http.HTTPFlow, record: _Flow, turn: Turn) -> None:
+        """Delete a recorded response: ours at once; the upstream's too where
+        it stored the response itself (the DELETE then goes on, and its
+        answer is the client's unless the upstream had forgotten it)."""
+        response_id = turn.body.response_id
+        await self.history.delete(record.tenant, response_id, self.state.get_strict)
+        await self.state.written(self.state.flush())
+        flow.metadata[EMULATION] = {"deleted": response_id}
+        if turn.header.stored_upstream:
+            record.deleting = turn
+            self._flows.put(flow, record)
+            flow.comment = f"emulated: DELETE {response_id} deleted from the record, and sent upstream"
+        else:
+            flow.response = _deleted(response_id)
+            flow.comment = f"emulated: DELETE {response_id} answered from the record"
+
     async def _input_items(self, tenant: Tenant, turn: Turn, query: dict[str, str]) -> http.Response:
         """The API's list: every item the response was generated from (its
         chain's too), newest first unless asked otherwise, a page at a time."""
-        items: list[bytes] = []
-        if turn.body.previous_response_id is not None:
-            items = await self.history.context(tenant, turn.body.previous_response_id, self.state.get_strict)
-        items += await self.history.input_items(tenant, turn, self.state.get_strict)
+        get = self.state.get_strict
+        try:
+            items: list[bytes] = []
+            if turn.body.previous_response_id is not None:  # its chain, even where a response of it was deleted
+                items = await self.history.context(tenant, turn.body.previous_response_id, get, as_target=False)
+            items += await self.history.input_items(tenant, turn, get)
+        except ChainError as e:
+            return _json_response(404, {"error": {"message": str(e), "type": "invalid_request_error",
+                                                  "param": None, "code": None}})
         listed = listed_items(items, turn.body.response_id)
         limit_text, order = query.get("limit", "20"), query.get("order", "desc")
         if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100 or order not in ("asc", "desc"):
@@ -282,7 +422,7 @@ class StoreEmulation:
     # -- answers -------------------------------------------------------------------
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        record = self._record_of(flow)
+        record = self._flows.get(client_flow(flow))
         if record is None or flow.response is None:
             return
         try:
@@ -290,12 +430,13 @@ class StoreEmulation:
             if self._retryable(flow, record) and 400 <= status < 500 and status not in TRANSIENT_STATUSES:
                 hold(flow)  # the response hook may replace it
                 return
-            if status >= 300 or record.recorded or flow.metadata.get(HELD) \
-                    or "delete" in flow.metadata.get(EMULATION, {}):
+            if status >= 300 or record.recorded or not record.record_turn or flow.metadata.get(HELD) \
+                    or record.deleting is not None or "delete" in flow.metadata.get(EMULATION, {}):
                 return
             reader = record.reader = AnswerReader(flow.response.headers.get("content-type", ""),
                                                   flow.response.headers.get("content-encoding", ""),
                                                   _length(flow.response))
+            keep_end_for_hooks(flow)  # the client holds the whole answer only once its turn is written
             downstream = flow.response.stream
 
             def tap(chunk: bytes) -> bytes:
@@ -310,7 +451,8 @@ class StoreEmulation:
             internal_error(self.counters, "tapping an answer to record")
 
     async def response(self, flow: http.HTTPFlow) -> None:
-        record = self._record_of(flow)
+        client = client_flow(flow)
+        record = self._flows.get(client)
         if record is None or flow.response is None:
             return
         retried_here = False
@@ -318,30 +460,34 @@ class StoreEmulation:
             if self._retryable(flow, record) and _refused(flow, record):
                 retried_here = True
                 await self._retry_expanded(flow, record)
+            elif record.deleting is not None:
+                if flow.response.status_code == 404:  # the upstream had forgotten it; the proxy's copy is gone
+                    flow.response = _deleted(record.deleting.body.response_id)
             elif "delete" in flow.metadata.get(EMULATION, {}) and flow.response.status_code < 300:
-                self.history.forget(record.tenant, flow.metadata[EMULATION]["delete"])
+                await self.history.delete(record.tenant, flow.metadata[EMULATION]["delete"], self.state.get_strict)
                 record.written = self.state.flush()
-            elif not record.recorded and flow.response.status_code < 300 and flow.response.raw_content is not None:
-                record.reader = None  # buffered: read it whole
+            elif not record.recorded and flow.response.status_code < 300 and record.record_turn:
+                if flow.response.raw_content is not None:
+                    record.reader = None  # buffered: read it whole
                 self._record(flow, record)
+        except StorageError:
+            pass  # the record is out of reach: what the upstream did stands
         except Exception:
             internal_error(self.counters, "emulating the store")
-        retry_of = flow.metadata.get(RETRY_OF)
-        if retry_of is not None:
-            self._flows.pop(retry_of, None)  # the client's flow is answered by this retry
-        elif retried_here or not flow.metadata.get(HELD):
-            self._flows.pop(flow.id, None)  # else another addon retries it next, and its retry records
-        if end_still_to_come(flow.response):
-            await self.state.written(record.written)
+        if client is not flow or retried_here or not flow.metadata.get(HELD):
+            self._flows.pop(client)  # else another addon retries it next, and its retry records
+        if end_still_to_come(flow):
+            await self.state.written(record.written, RECORD_WAIT)
 
     def error(self, flow: http.HTTPFlow) -> None:
         if flow.metadata.get(RETRY_OF) is None:
-            self._flows.pop(flow.id, None)
+            self._flows.pop(flow)
 
     def _retryable(self, flow: http.HTTPFlow, record: _Flow) -> bool:
         """A client's own previous_response_id sent as it is (auto mode)."""
-        return (flow.metadata.get(RETRY_OF) is None and record.expanded is None
-                and record.previous_response_id is not None and "delete" not in flow.metadata.get(EMULATION, {}))
+        return (flow.metadata.get(RETRY_OF) is None and record.expanded is None and record.deleting is None
+                and record.previous_response_id is not None and "delete" not in flow.metadata.get(EMULATION, {})
+                and flow.request.method.upper() == "POST")
 
     async def _retry_expanded(self, flow: http.HTTPFlow, record: _Flow) -> None:
         """The upstream refused the client's previous_response_id (it forgot
@@ -351,7 +497,7 @@ class StoreEmulation:
         if isinstance(reading, Skip):
             return
         try:
-            record.expanded = await self._expand(reading, record)
+            record.expanded, dropped = await self._expand(reading, record)
         except (ChainError, StorageError):
             return  # not in the record: the refusal is the client's own answer
         refused = flow.response.status_code
@@ -365,7 +511,7 @@ class StoreEmulation:
         flow.response = answer
         flow.marked = ":warning:"
         flow.metadata[EMULATION] = {"previous_response_id": record.previous_response_id, "expanded": True,
-                                    "retried_after": refused}
+                                    "retried_after": refused, "reasoning_dropped": dropped}
         flow.metadata.setdefault(CLIENT_BODY, record.client.raw_content)
         flow.comment = (f"emulated: upstream answered {refused} to {record.previous_response_id}; "
                         + ("retried with the chain expanded" if failure is None else
@@ -397,20 +543,26 @@ class StoreEmulation:
             logger.info("stateful-responses: an upstream answered a previous_response_id without its chain; "
                         "expanding chains for it from now on")
         stored_upstream = stored is True or (stored is None and sent_previous is not None and echoed == sent_previous)
-        self.history.record(record.tenant, response=response, previous_response_id=record.previous_response_id,
-                             raw_input=record.raw_input, stored_upstream=stored_upstream)
+        due = self.history.record(record.tenant, response=response, previous_response_id=record.previous_response_id,
+                                  raw_input=record.raw_input, stored_upstream=stored_upstream)
         record.written = self.state.flush()
+        if stored_upstream:
+            self.proofs.start(flow, record.scope, record.label, record.upstream, response["id"])
+        for dependency in due:
+            asyncio.get_running_loop().create_task(self._renew(record.tenant, dependency))
         self._debug("recorded %s", response["id"])
 
-    def _record_of(self, flow: http.HTTPFlow) -> _Flow | None:
-        """A flow's record, or for our own retry, the client's flow's."""
-        retry_of = flow.metadata.get(RETRY_OF)
-        return self._flows.get(retry_of if retry_of is not None else flow.id)
-
-    def _remember(self, flow_id: str, record: _Flow) -> None:
-        self._flows[flow_id] = record
-        while len(self._flows) > MAX_FLOWS:
-            self._flows.popitem(last=False)
+    async def _renew(self, tenant: Tenant, response_id: str) -> None:
+        """Keep what a new turn relies on as long as it lives (in the
+        background: the client never waits for it)."""
+        async with self._renewals:
+            try:
+                await self.history.renew(tenant, response_id, self.state.get_strict)
+                self.state.flush()
+            except (ChainError, StorageError):
+                pass  # tried again when the next turn finds it due
+            except Exception:
+                internal_error(self.counters, "renewing a recorded chain")
 
     def _debug(self, msg: str, *args) -> None:
         if self.config.settings.debug:
@@ -427,3 +579,4 @@ def _refused(flow: http.HTTPFlow, record: _Flow) -> bool:
     status = flow.response.status_code
     return (400 <= status < 500 and status not in TRANSIENT_STATUSES
             and _names_the_refusal(flow.response.raw_content or b"", record.previous_response_id))
+

@@ -19,10 +19,11 @@ from ..bounded import Bounded
 from ..items import canonical_json
 from ..settings import Config
 from ..state.outbox import Outbox, Write
-from .turns import ITEMS, TURNS, Tenant, TurnBody, TurnHeader, conflict
-from .walk import ChainError, Link, walk
+from .turns import DEPENDENTS, ITEM_IDS, ITEMS, TURNS, ItemOwner, Tenant, TurnBody, TurnHeader, conflict, header_of
+from .walk import ChainError, Link, not_found, walk
 
 GetRecords = Callable[[str, Sequence[bytes]], Awaitable[Mapping[bytes, bytes]]]
+RENEW_SLACK = 86400.0  # at most a day: see History.slack
 _ENCODE = msgspec.json.Encoder(decimal_format="number").encode
 
 
@@ -40,9 +41,12 @@ def string_input_item(raw_string: bytes) -> bytes:
 class Turn:
     header: TurnHeader
     body: TurnBody
+    key: bytes  # where it is recorded
 
 
 _CONFLICT = object()  # memory's mark of an id recorded with two contents
+_ITEM_OWNER = msgspec.msgpack.Decoder(ItemOwner)
+_PACK = msgspec.msgpack.Encoder().encode
 
 
 @dataclass
@@ -54,13 +58,22 @@ class History:
     # (tenant, response id) -> (chain depth, the chain's item keys): an agent
     # loop's next turn is expanded without walking its chain again.
     contexts: Bounded = field(default_factory=lambda: Bounded(64), repr=False)
+    # (tenant, response id) -> until when every record below that turn is kept
+    # (its own record and items apart): see ``record`` and ``renew``.
+    renewed: Bounded = field(default_factory=lambda: Bounded(4096), repr=False)
     _outbox: Outbox = field(default_factory=Outbox, repr=False)
 
-    tables = {TURNS: 1_000_000, ITEMS: 4_000_000}
+    tables = {TURNS: 1_000_000, ITEMS: 4_000_000, DEPENDENTS: 1_000_000, ITEM_IDS: 1_000_000}
 
     @property
     def ttl(self) -> float:
         return self.config.ttl
+
+    @property
+    def slack(self) -> float:
+        """How much longer than the TTL a renewal keeps a chain: renewing it
+        whole is due once per slack, not on every turn."""
+        return min(RENEW_SLACK, self.ttl / 10)
 
     @property
     def max_depth(self) -> int:
@@ -74,14 +87,16 @@ class History:
         self.items.clear()
         self.inputs.clear()
         self.contexts.clear()
+        self.renewed.clear()
         self._outbox.clear()
 
     # -- recording ---------------------------------------------------------------
 
     def record(self, tenant: Tenant, *, response: Mapping[str, Any], previous_response_id: str | None,
-               raw_input: Sequence[bytes], stored_upstream: bool) -> None:
-        """One completed answer: its turn and its new items go to the outbox
-        (and memory, so that this process finds it at once)."""
+               raw_input: Sequence[bytes], stored_upstream: bool) -> list[str]:
+        """One completed answer: its turn and its items go to the outbox (and
+        memory, so that this process finds it at once). Returns the turns it
+        relies on whose whole chains are due for renewal (``renew``)."""
         response_id = response["id"]
         output = [_ENCODE(item) for item in response.get("output") or []]
         digests = [exact_digest(raw) for raw in raw_input]
@@ -99,9 +114,13 @@ class History:
             input_keys.append(self._item(tenant, raw, digest))
             size += len(raw)
         output_keys = []
-        for raw in output:
-            output_keys.append(self._item(tenant, raw, exact_digest(raw)))
+        for raw, item in zip(output, response.get("output") or [], strict=True):
+            output_keys.append(key := self._item(tenant, raw, exact_digest(raw)))
             size += len(raw)
+            if isinstance(item, dict) and isinstance(item.get("id"), str):
+                where = tenant.item_id_key(item["id"])
+                self._outbox.append(Write(ITEM_IDS, where, tenant.seal(_PACK(ItemOwner(response_id, key)), where),
+                                          self.ttl))
         shell = {k: v for k, v in response.items() if k != "output"}
         body = TurnBody(response_id, previous_response_id, base, input_keys, output_keys, _ENCODE(shell))
         fingerprint_of = (previous_response_id, rolling[-1] if rolling else b"", output_keys)
@@ -118,7 +137,7 @@ class History:
             self.turns.put(key, _CONFLICT)  # one id, two contents: never expanded (the store drops it too)
             self.contexts.clear()
         else:
-            self.turns.put(key, Turn(header, body))
+            self.turns.put(key, Turn(header, body, key))
         if rolling:
             self.inputs.put((tenant.tag, rolling[-1]), response_id)
         parent_context = self.contexts.get((tenant.tag, previous_response_id)) if previous_response_id else None
@@ -126,69 +145,170 @@ class History:
             depth, keys = parent_context  # the next turn of an agent loop expands without a walk
             self.contexts.put((tenant.tag, response_id), (depth + 1, keys + input_keys + output_keys))
         self._outbox.append(Write(TURNS, key, record, self.ttl, merge=conflict, label=response_id))
+        return self._relied_on(tenant, response_id, [d for d in (previous_response_id, base) if d is not None])
 
     def _item(self, tenant: Tenant, raw: bytes, digest: bytes) -> bytes:
+        """Record one item. Written again even when memory knows it: another
+        conversation may hold the same item, and this turn must keep it as
+        long as it lives."""
         key = tenant.item_key(digest)
-        if self.items.hit(key) is None:
-            self.items.put(key, raw)
-            self._outbox.append(Write(ITEMS, key, tenant.seal(raw, key), self.ttl))
+        self.items.put(key, raw)
+        self._outbox.append(Write(ITEMS, key, tenant.seal(raw, key), self.ttl))
         return key
 
-    def forget(self, tenant: Tenant, response_id: str) -> None:
-        """A deleted response: continuing from it is "not found" from now on."""
-        key = tenant.turn_key(response_id)
-        self.turns.pop(key, None)
-        self.contexts.clear()  # a chain through it is "not found" now
-        self._outbox.append(Write(TURNS, key, None))
+    def _relied_on(self, tenant: Tenant, response_id: str, dependencies: list[str]) -> list[str]:
+        """A turn relies on the turn it continues and the one whose input it
+        extends, and on everything those rely on: all of it must live as long
+        as it does. Their own records are kept from now on; the records below
+        them were kept long enough if a renewal said so, else they are due."""
+        now, keep = self.config.clock(), self.ttl + self.slack
+        below, due = now + keep, []
+        for dependency in dependencies:
+            keys = tenant.turn_keys(dependency)
+            for key in keys:
+                self._outbox.append(Write(DEPENDENTS, key, b"", self.ttl))
+                self._outbox.append(Write(TURNS, key, None, keep, touch=True))
+            known = next((t for k in keys if isinstance(t := self.turns.get(k), Turn)), None)
+            if known is not None:
+                for item in (*known.body.input, *known.body.output):
+                    self._outbox.append(Write(ITEMS, item, None, keep, touch=True))
+            renewed = self.renewed.get((tenant.tag, dependency))
+            if known is None or renewed is None or renewed < now + self.ttl:
+                due.append(dependency)
+            else:
+                below = min(below, renewed)
+        self.renewed.put((tenant.tag, response_id), below)
+        return due
+
+    async def renew(self, tenant: Tenant, response_id: str, get: GetRecords) -> None:
+        """Keep everything ``response_id``'s turn relies on for the TTL and a
+        slack from now: every turn of its chain and of the inputs they extend,
+        their items, and their marks as relied on."""
+        keep = self.ttl + self.slack
+        turn_keys, item_keys = await self._closure(tenant, response_id, get)
+        for key in turn_keys:
+            self._outbox.append(Write(TURNS, key, None, keep, touch=True))
+            self._outbox.append(Write(DEPENDENTS, key, None, keep, touch=True))
+        for key in item_keys:
+            self._outbox.append(Write(ITEMS, key, None, keep, touch=True))
+        self.renewed.put((tenant.tag, response_id), self.config.clock() + keep)
+
+    async def _closure(self, tenant: Tenant, response_id: str, get: GetRecords) -> tuple[list[bytes], list[bytes]]:
+        """The keys of every turn and item ``response_id``'s turn relies on, its own included."""
+        turn_keys: list[bytes] = []
+        item_keys: list[bytes] = []
+        for turn in await walk(self._link(tenant, get), response_id, self.max_depth):
+            turn_keys.append(turn.key)
+            inputs, bases = await self._input_keys(tenant, turn, get, response_id)
+            turn_keys += bases
+            item_keys += inputs + turn.body.output
+        return turn_keys, list(dict.fromkeys(item_keys))
+
+    async def delete(self, tenant: Tenant, response_id: str, get: GetRecords) -> bool:
+        """A client deleted the response: it is never retrieved or continued
+        from again. What other turns rely on stays, for them only (the record
+        keeps its input and output, not the response object); a turn nothing
+        relies on goes whole. False when nothing (living) was recorded."""
+        turn = await self.turn(tenant, response_id, get, as_target=True)
+        if turn is None:
+            return False
+        relied_on = await get(DEPENDENTS, [turn.key])
+        if relied_on:
+            self._outbox.append(Write(TURNS, turn.key, tenant.deleted(turn.header, turn.body, turn.key), self.ttl))
+        else:
+            self._outbox.append(Write(TURNS, turn.key, None))
+        self.turns.pop(turn.key, None)
+        self.contexts.pop((tenant.tag, response_id), None)
+        self.renewed.pop((tenant.tag, response_id), None)
+        for where in [k for k, v in self.inputs.items() if k[0] == tenant.tag and v == response_id]:
+            del self.inputs[where]
+        return True
 
     # -- reading -------------------------------------------------------------------
 
-    async def turn(self, tenant: Tenant, response_id: str, get: GetRecords) -> Turn | None:
+    async def turn(self, tenant: Tenant, response_id: str, get: GetRecords, *, as_target: bool = False) -> Turn | None:
         """One recorded turn of this tenant, or None (unknown, expired, a
-        conflict, sealed for someone else). Memory keeps turns opened; a turn
-        read from the store brings its ancestors' records along."""
-        key = tenant.turn_key(response_id)
-        known = self.turns.hit(key)
-        if isinstance(known, Turn):
+        conflict, sealed for someone else).
+
+        As the target of a request (continued from, retrieved, deleted), the
+        store decides whether it still exists and a deleted one is None:
+        memory may have missed a DELETE on another replica or an expiry. As a
+        turn a chain passes through, memory's copy serves, deleted or not:
+        deleting a response never takes away what others rely on. A turn read
+        from the store brings its ancestors' records along."""
+        keys = tenant.turn_keys(response_id)
+        records: Mapping[bytes, Any] = {}
+        if not as_target:
+            for key in keys:
+                known = self.turns.hit(key)
+                if isinstance(known, Turn):
+                    return known
+                if known is _CONFLICT:
+                    return None
+            records = {k: known for k in keys if isinstance(known := self.turns.get(k), bytes)}
+        if not records:
+            records = await get(TURNS, keys)
+        for key in keys:
+            record = records.get(key)
+            if record is None:
+                if as_target:
+                    self.turns.pop(key, None)
+                continue
+            turn = self._opened(tenant, response_id, key, record)
+            if turn is None:
+                return None
+            await self._prefetch_ancestors(turn, get)
+            return turn if not as_target or turn.header.status == "completed" else None
+        return None
+
+    def _opened(self, tenant: Tenant, response_id: str, key: bytes, record: bytes) -> Turn | None:
+        known = self.turns.get(key)
+        header = header_of(record)
+        if isinstance(known, Turn) and known.header == header:
             return known
-        if known is _CONFLICT:
-            return None
-        record = known if isinstance(known, bytes) else (await get(TURNS, [key])).get(key)
-        if record is None:
-            return None
         opened = tenant.open_turn(response_id, key, record)
         if opened is None or opened[0].status == "conflict":
             self.turns.pop(key, None)
             return None
-        turn = Turn(*opened)
+        turn = Turn(*opened, key)
         self.turns.put(key, turn)
-        ancestors = turn.header.ancestors
-        missing = [k for k in ancestors if k not in self.turns] if ancestors and ancestors[0] not in self.turns \
-            else []
-        if missing:  # the walk's next step would be a round trip: make it one for many steps
-            for ancestor, ancestor_record in (await get(TURNS, missing)).items():
-                self.turns.put(ancestor, ancestor_record)  # opened when the walk gets there
         return turn
 
-    async def context(self, tenant: Tenant, previous_response_id: str, get: GetRecords) -> list[bytes]:
-        """The items of the chain ending at ``previous_response_id``, oldest
-        first: each turn's input, then its output. ChainError when it cannot
-        be expanded (the API's error, the ids named)."""
+    async def _prefetch_ancestors(self, turn: Turn, get: GetRecords) -> None:
+        """The walk's next step would be a round trip: make it one for many steps."""
+        ancestors = turn.header.ancestors
+        if ancestors and ancestors[0] not in self.turns:
+            missing = [k for k in ancestors if k not in self.turns]
+            for ancestor, ancestor_record in (await get(TURNS, missing)).items():
+                self.turns.put(ancestor, ancestor_record)  # opened when the walk gets there
 
+    def _link(self, tenant: Tenant, get: GetRecords) -> Callable[[str], Awaitable[Link[Turn] | None]]:
         async def link(response_id: str) -> Link[Turn] | None:
             turn = await self.turn(tenant, response_id, get)
             if turn is None:
                 return None
-            return Link(response_id, turn.body.previous_response_id, turn.header.status, turn)
+            status = "completed" if turn.header.status == "deleted" else turn.header.status
+            return Link(response_id, turn.body.previous_response_id, status, turn)
 
+        return link
+
+    async def context(self, tenant: Tenant, previous_response_id: str, get: GetRecords, *,
+                      as_target: bool = True) -> list[bytes]:
+        """The items of the chain ending at ``previous_response_id``, oldest
+        first: each turn's input, then its output. ChainError when it cannot
+        be expanded (the API's error, the ids named): as a request's target,
+        a deleted or unknown response is not found; as the chain a living turn
+        relies on (``as_target=False``), a deleted one still serves."""
+        if as_target and await self.turn(tenant, previous_response_id, get, as_target=True) is None:
+            raise not_found(previous_response_id)
         cached = self.contexts.hit((tenant.tag, previous_response_id))
         if cached is not None and cached[0] <= self.max_depth:
             keys = cached[1]
         else:
-            turns = await walk(link, previous_response_id, self.max_depth)
+            turns = await walk(self._link(tenant, get), previous_response_id, self.max_depth)
             keys = []
             for turn in turns:
-                keys += await self._input_keys(tenant, turn, get, previous_response_id)
+                keys += (await self._input_keys(tenant, turn, get, previous_response_id))[0]
                 keys += turn.body.output
             self.contexts.put((tenant.tag, previous_response_id), (len(turns), keys))
         return await self._items(tenant, keys, get, previous_response_id)
@@ -198,11 +318,34 @@ class History:
 
     async def input_items(self, tenant: Tenant, turn: Turn, get: GetRecords) -> list[bytes]:
         """The input a turn's request carried, as the client sent it."""
-        keys = await self._input_keys(tenant, turn, get, turn.body.response_id)
+        keys, _ = await self._input_keys(tenant, turn, get, turn.body.response_id)
         return await self._items(tenant, keys, get, turn.body.response_id)
 
-    async def _input_keys(self, tenant: Tenant, turn: Turn, get: GetRecords, asked: str) -> list[bytes]:
-        keys = list(turn.body.input)
+    async def referenced(self, tenant: Tenant, item_ids: Sequence[str], get: GetRecords) -> dict[str, bytes]:
+        """The recorded output items ``item_ids`` name (an ``item_reference``),
+        by id; ids of no recorded item, or of a response since deleted, are left out."""
+        keys = {key: item_id for item_id in dict.fromkeys(item_ids) for key in tenant.item_id_keys(item_id)}
+        owners: dict[str, ItemOwner] = {}
+        for key, sealed in (await get(ITEM_IDS, list(keys))).items():
+            try:
+                owners.setdefault(keys[key], _ITEM_OWNER.decode(tenant.open(sealed, key) or b""))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+        found = {}
+        for item_id, owner in owners.items():
+            if await self.turn(tenant, owner.response_id, get, as_target=True) is None:
+                continue
+            try:
+                found[item_id] = (await self._items(tenant, [owner.item_key], get, owner.response_id))[0]
+            except ChainError:
+                continue
+        return found
+
+    async def _input_keys(self, tenant: Tenant, turn: Turn, get: GetRecords,
+                          asked: str) -> tuple[list[bytes], list[bytes]]:
+        """A turn's whole input (item keys), and the keys of the turns whose
+        input it extends."""
+        keys, bases = list(turn.body.input), []
         base, depth = turn.body.input_base, 0
         while base is not None:
             depth += 1
@@ -212,8 +355,9 @@ class History:
                                  f"The input of a response in the chain ending at '{asked}' is no longer "
                                  f"available (it extends '{base}').", asked, base)
             keys = based_on.body.input + keys
+            bases.append(based_on.key)
             base = based_on.body.input_base
-        return keys
+        return keys, bases
 
     async def _items(self, tenant: Tenant, keys: list[bytes], get: GetRecords, asked: str) -> list[bytes]:
         found = {k: v for k in keys if (v := self.items.hit(k)) is not None}
@@ -239,12 +383,18 @@ def _rolling(digests: Sequence[bytes]) -> list[bytes]:
 
 
 def response_json(turn: Turn, output: Sequence[bytes]) -> bytes:
-    """The stored response object, whole again (for GET /responses/{id})."""
+    """The stored response object, whole again (for GET /responses/{id}),
+    naming the response it continued as the API does: the upstream answered
+    an expanded request, so its own answer says null."""
     shell = turn.body.response
     items = b"[" + b",".join(output) + b"]"
+    parent = json.dumps(turn.body.previous_response_id).encode()
     if shell == b"{}":
-        return b'{"output":' + items + b"}"
-    return shell[:-1] + b',"output":' + items + b"}"
+        return b'{"previous_response_id":' + parent + b',"output":' + items + b"}"
+    fields = {k: v for k, v in msgspec.json.decode(shell, type=dict[str, msgspec.Raw]).items()
+              if k != "previous_response_id"}
+    return b"{" + b",".join(json.dumps(k).encode() + b":" + bytes(v) for k, v in fields.items()) + \
+        b',"previous_response_id":' + parent + b',"output":' + items + b"}"
 
 
 # How the API lists input items: typed, with an id (prefixed by kind), an easy

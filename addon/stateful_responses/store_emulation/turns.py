@@ -19,6 +19,8 @@ what bounds and conflicts need: status, time, size, a keyed fingerprint.
 from __future__ import annotations
 
 import functools
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import msgspec
@@ -30,6 +32,8 @@ from ..entropy import random_bytes
 
 TURNS = "turns"  # turn key -> TurnHeader (body sealed)
 ITEMS = "items"  # item key -> sealed item JSON
+DEPENDENTS = "dependents"  # turn key -> nothing: some other turn continues or extends it
+ITEM_IDS = "item-ids"  # item id key -> ItemOwner: which turn's output holds the item, for item_reference
 
 KEY_SIZE = 16
 ANCESTORS = 32
@@ -47,7 +51,9 @@ class TurnBody(msgspec.Struct, array_like=True, frozen=True):
 
 
 class TurnHeader(msgspec.Struct, array_like=True, frozen=True):
-    status: str  # "completed", or "conflict": an id seen with two contents, never expanded
+    # "completed"; "conflict": an id seen with two contents, never expanded;
+    # "deleted": a client deleted it, its content stays only for the turns that rely on it
+    status: str
     created: float
     size: int  # bytes this turn added to the store (items included)
     fingerprint: bytes  # keyed digest of the body: the same id recorded again with other content shows
@@ -56,6 +62,13 @@ class TurnHeader(msgspec.Struct, array_like=True, frozen=True):
     # Keys of the turns above it in its chain, nearest first (at most
     # ANCESTORS): a cold walk fetches them in one round trip, not one each.
     ancestors: list[bytes] = []
+
+
+class ItemOwner(msgspec.Struct, array_like=True, frozen=True):
+    """Where an output item with an id lives: the turn that answered it."""
+
+    response_id: str
+    item_key: bytes
 
 
 _BODY = msgspec.msgpack.Decoder(TurnBody)
@@ -67,23 +80,42 @@ _ENCODE = msgspec.msgpack.Encoder().encode
 class Tenant:
     """One credential's view of the record: its key namespace and its seal.
     Built from the credential material on every request; nothing of it is
-    stored."""
+    stored. Records are written under the store's current secret; ``older``
+    are the same credential under secrets the store used before (a store that
+    lost its secret and got another), which stay readable."""
 
     tag: bytes  # names the tenant inside keys (a keyed hash of the credential)
     _secret: bytes
     _aead: ChaCha20Poly1305
+    older: tuple[Tenant, ...] = ()
 
     @classmethod
-    def of(cls, secret: bytes, credential: bytes) -> Tenant:
-        return _tenant(secret, credential)
+    def of(cls, secret: bytes, credential: bytes, *, seal_key: bytes = b"",
+           older_secrets: tuple[bytes, ...] = ()) -> Tenant:
+        """``seal_key``: a key that does not live in the store, mixed into
+        every seal key, so that a copy of the store alone opens nothing, even
+        for tenants without a credential."""
+        return _tenant(secret, credential, seal_key, older_secrets)
 
     def turn_key(self, response_id: str) -> bytes:
         return blake3(self.tag + b"turn\x00" + response_id.encode("utf-8", "surrogatepass"),
                       key=self._secret).digest(KEY_SIZE)
 
+    def turn_keys(self, response_id: str) -> list[bytes]:
+        """Where a turn may be recorded: under the current secret, then the older ones."""
+        return [self.turn_key(response_id), *(older.turn_key(response_id) for older in self.older)]
+
     def item_key(self, raw_item: bytes) -> bytes:
         """Content address of one item's exact bytes, in this tenant only."""
         return blake3(self.tag + b"item\x00" + raw_item, key=self._secret).digest(KEY_SIZE)
+
+    def item_id_key(self, item_id: str) -> bytes:
+        """Where the item an ``item_reference`` names is found, in this tenant only."""
+        return blake3(self.tag + b"item-id\x00" + item_id.encode("utf-8", "surrogatepass"),
+                      key=self._secret).digest(KEY_SIZE)
+
+    def item_id_keys(self, item_id: str) -> list[bytes]:
+        return [self.item_id_key(item_id), *(older.item_id_key(item_id) for older in self.older)]
 
     def seal(self, data: bytes, key: bytes) -> bytes:
         nonce = random_bytes(_NONCE)
@@ -91,10 +123,12 @@ class Tenant:
 
     def open(self, sealed: bytes, key: bytes) -> bytes | None:
         """The plaintext, or None when it was sealed for another key or tenant."""
-        try:
-            return self._aead.decrypt(sealed[:_NONCE], sealed[_NONCE:], key)
-        except (InvalidTag, ValueError):
-            return None
+        for tenant in (self, *self.older):
+            try:
+                return tenant._aead.decrypt(sealed[:_NONCE], sealed[_NONCE:], key)
+            except (InvalidTag, ValueError):
+                continue
+        return None
 
     def seal_turn(self, body: TurnBody, *, created: float, size: int, stored_upstream: bool,
                   fingerprint_of: object, ancestors: list[bytes]) -> tuple[bytes, TurnHeader, bytes]:
@@ -106,13 +140,21 @@ class Tenant:
                             self.seal(_ENCODE(body), key), ancestors[:ANCESTORS])
         return key, header, _ENCODE(header)
 
+    def deleted(self, header: TurnHeader, body: TurnBody, key: bytes) -> bytes:
+        """The record of a deleted turn that other turns still rely on: what
+        their chains need (its input and output), sealed again under the
+        secret ``key`` was made with, without the response object; never
+        retrieved or continued from again."""
+        sealer = next((t for t in (self, *self.older) if t.turn_key(body.response_id) == key), self)
+        kept = msgspec.structs.replace(body, response=b"{}")
+        return _ENCODE(msgspec.structs.replace(header, status="deleted", sealed=sealer.seal(_ENCODE(kept), key)))
+
     def open_turn(self, response_id: str, key: bytes, record: bytes) -> tuple[TurnHeader, TurnBody] | None:
         """A recorded turn (``key`` is its ``turn_key``), or None: unreadable,
         sealed for someone else, or under another id. Never someone else's
         content."""
-        try:
-            header = _HEADER.decode(record)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        header = header_of(record)
+        if header is None:
             return None
         plain = self.open(header.sealed, key)
         if plain is None:
@@ -126,13 +168,39 @@ class Tenant:
         return header, body
 
 
+SEAL_KEY_VARIABLE = "STATEFUL_RESPONSES_SEAL_KEY"
+MIN_SEAL_KEY = 16
+
+
+def seal_key(path: str, environ: Mapping[str, str] = os.environ) -> bytes:
+    """The key that does not live in the store: the file's bytes, or the
+    environment variable's; empty when neither is set. OSError when the file
+    cannot be read, ValueError when the key is too short to protect anything."""
+    if path:
+        with open(os.path.expanduser(path), "rb") as f:
+            key = f.read().strip()
+    else:
+        key = environ.get(SEAL_KEY_VARIABLE, "").encode()
+    if key and len(key) < MIN_SEAL_KEY:
+        raise ValueError(f"a seal key needs at least {MIN_SEAL_KEY} bytes")
+    return key
+
+
+_SEAL_CONTEXT_WITH_KEY = "stateful-responses 2026-12 recorded turn seal with a key outside the store"
+
+
 @functools.lru_cache(maxsize=256)
-def _tenant(secret: bytes, credential: bytes) -> Tenant:
+def _tenant(secret: bytes, credential: bytes, seal_key: bytes, older_secrets: tuple[bytes, ...]) -> Tenant:
     """One Tenant per credential while it is in use: deriving its key and
     setting up its cipher on every request would cost more than sealing."""
     tag = blake3(b"tenant\x00" + credential, key=secret).digest(KEY_SIZE)
-    seal_key = blake3(secret + credential, derive_key_context=_SEAL_CONTEXT).digest(32)
-    return Tenant(tag, secret, ChaCha20Poly1305(seal_key))
+    if seal_key:
+        material = blake3(seal_key).digest() + secret + credential
+        key = blake3(material, derive_key_context=_SEAL_CONTEXT_WITH_KEY).digest(32)
+    else:
+        key = blake3(secret + credential, derive_key_context=_SEAL_CONTEXT).digest(32)
+    older = tuple(_tenant(s, credential, seal_key, ()) for s in older_secrets if s != secret)
+    return Tenant(tag, secret, ChaCha20Poly1305(key), older)
 
 
 def header_of(record: bytes) -> TurnHeader | None:
@@ -147,10 +215,11 @@ def conflict(existing: bytes, new: bytes) -> bytes | None:
     """When one id arrives with two different contents (an upstream that
     reuses ids: a restarted server counting from 1), the tombstone to store in
     its place: continuing from it is "not found", never a wrong context.
-    None when the two are the same turn."""
+    The same turn recorded again: None, or the existing record if a client
+    deleted it meanwhile."""
     old, fresh = header_of(existing), header_of(new)
     if old is None or fresh is None:
         return None  # an unreadable old record is simply replaced
-    if old.status != "conflict" and old.fingerprint == fresh.fingerprint:
-        return None
-    return _ENCODE(TurnHeader("conflict", fresh.created, 0, fresh.fingerprint, False, b""))
+    if old.status == "conflict" or old.fingerprint != fresh.fingerprint:
+        return _ENCODE(TurnHeader("conflict", fresh.created, 0, fresh.fingerprint, False, b""))
+    return existing if old.status == "deleted" else None  # a deleted turn stays deleted

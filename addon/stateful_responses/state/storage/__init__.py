@@ -32,9 +32,14 @@ class Storage(Protocol):
     async def open(self) -> None:
         """Connect or create. Idempotent."""
 
-    async def secret(self) -> bytes:
-        """The store's 32-byte keyed-hash secret: created once, shared by every
-        process that uses the store, never expiring, never logged."""
+    async def keyring(self, ours: bytes | None = None) -> tuple[bytes, tuple[bytes, ...]]:
+        """The store's 32-byte keyed-hash secret, and every other secret it has
+        used (never expiring, never logged). The secret is created once and
+        shared by every process that uses the store. ``ours`` is the secret
+        this process has been using from this store: a store that lost its
+        secret (a server restarted empty, an evicted key) gets it back, and a
+        store that has another one by now keeps ``ours`` among the older ones,
+        so that what was written under it stays readable."""
 
     async def get(self, table: str, keys: Sequence[bytes]) -> dict[bytes, bytes]:
         """The present, unexpired records among ``keys`` (one round trip)."""
@@ -46,9 +51,9 @@ class Storage(Protocol):
     async def delete(self, table: str, keys: Sequence[bytes]) -> None: ...
 
     async def write(self, batch: Batch) -> None:
-        """Apply ``batch`` in one call: its deletes, then its puts, in one
-        transaction (SQLite) or pipeline (Redis). ``put`` and ``delete`` are
-        one-table batches."""
+        """Apply ``batch`` in one call: its deletes, then its puts, then its
+        touches, in one transaction (SQLite) or MULTI/EXEC (Redis). ``put``
+        and ``delete`` are one-table batches."""
 
     async def scan(self, table: str) -> dict[bytes, bytes]:
         """Every unexpired record of a small table (marks), in one call."""
@@ -65,10 +70,13 @@ class Storage(Protocol):
 @dataclass(frozen=True)
 class Batch:
     """Writes to several tables at once: each put is (table, records, ttl),
-    each delete (table, keys). A key is in at most one of them per table."""
+    each delete (table, keys). A key is in at most one of them per table.
+    Each touch (table, keys, ttl) keeps the records among ``keys`` that are
+    there at least ``ttl`` seconds from now (never shorter than they had)."""
 
     puts: Sequence[tuple[str, Mapping[bytes, bytes], float]] = ()
     deletes: Sequence[tuple[str, Sequence[bytes]]] = ()
+    touches: Sequence[tuple[str, Sequence[bytes], float]] = ()
 
 
 DEFAULT_SQLITE_FILE = "stateful-responses.sqlite3"

@@ -55,12 +55,15 @@ class MemoryStorage:
         self._default_limit = default_limit
         self._tables: dict[str, _Table] = {}
         self._secret = os.urandom(32)
+        self._older: set[bytes] = set()
 
     async def open(self) -> None:
         pass
 
-    async def secret(self) -> bytes:
-        return self._secret
+    async def keyring(self, ours: bytes | None = None) -> tuple[bytes, tuple[bytes, ...]]:
+        if ours is not None and ours != self._secret:
+            self._older.add(ours)
+        return self._secret, tuple(self._older)
 
     async def get(self, table: str, keys: Sequence[bytes]) -> dict[bytes, bytes]:
         records = self._tables.get(check_table(table), _Table()).records
@@ -90,6 +93,12 @@ class MemoryStorage:
                 stored.put(key, value, now + ttl)
             stored.drop_expired(now)
             stored.trim(self._limits.get(table, self._default_limit))
+        for table, keys, ttl in batch.touches:
+            stored = self._tables.get(check_table(table), _Table())
+            for key in keys:
+                record = stored.records.get(key)
+                if record is not None and now < record[0] < now + ttl:
+                    stored.put(key, record[1], now + ttl)
 
     async def scan(self, table: str) -> dict[bytes, bytes]:
         records = self._tables.get(check_table(table), _Table()).records

@@ -9,6 +9,7 @@ any of it. Layout, after that prefix:
                        scored by expiry in milliseconds of the server's clock
   ``tables``           the set of table names that have an index
   ``secret``           the 32-byte secret, no TTL
+  ``secrets``          every secret the store has used, no TTL (see ``keyring``)
 
 The index is what bounds a table, what ``scan`` reads and what ``clear``
 walks, so nothing ever SCANs the keyspace. It is kept atomically with the
@@ -17,6 +18,7 @@ records by the scripts; Redis expires the records themselves.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -31,6 +33,7 @@ from redis.backoff import NoBackoff
 from . import DEFAULT_TABLE_LIMIT, Batch, StorageError, check_table
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 _NOW_MS = """
 local clock = redis.call('TIME')
@@ -60,6 +63,36 @@ if redis.call('PTTL', KEYS[1]) < ttl then
     redis.call('PEXPIRE', KEYS[1], ARGV[1])
 end
 redis.call('SADD', KEYS[2], ARGV[3])
+"""
+
+# KEYS: index, record keys...  ARGV: ttl ms. Records that are there and expire
+# sooner are kept ttl from now; absent ones stay absent.
+TOUCH = _NOW_MS + """
+local ttl = tonumber(ARGV[1])
+local expires = string.format('%.3f', now + ttl)
+for i = 2, #KEYS do
+    local left = redis.call('PTTL', KEYS[i])
+    if left > 0 and left < ttl then
+        redis.call('PEXPIRE', KEYS[i], ARGV[1])
+        redis.call('ZADD', KEYS[1], expires, KEYS[i])
+    end
+end
+if redis.call('PTTL', KEYS[1]) < ttl then
+    redis.call('PEXPIRE', KEYS[1], ARGV[1])
+end
+"""
+
+# KEYS: secret, secrets.  ARGV: the secret to publish if there is none, and
+# "1" if it is one this process used from this store. Returns the secret and
+# every secret the store has used.
+KEYRING = """
+redis.call('SET', KEYS[1], ARGV[1], 'NX')
+local current = redis.call('GET', KEYS[1])
+redis.call('SADD', KEYS[2], current)
+if ARGV[2] == '1' then
+    redis.call('SADD', KEYS[2], ARGV[1])
+end
+return {current, redis.call('SMEMBERS', KEYS[2])}
 """
 
 # KEYS: index. Returns key1, value1, key2, value2, ... of the unexpired records.
@@ -118,8 +151,9 @@ class RedisStorage:
         self._connect_timeout = connect_timeout
         self._timeout = timeout
         self._prefix = b"{" + prefix.encode() + b"}:"
-        self._secret: bytes | None = None
+        self._secret: bytes | None = None  # the store's, as last read: every write publishes it again
         self._client: redis.asyncio.Redis | None = None
+        self._policy_checked = False
 
     def _connection(self) -> redis.asyncio.Redis:
         if self._client is None:
@@ -130,6 +164,8 @@ class RedisStorage:
                 retry=Retry(NoBackoff(), 0),
             )
             self._put_script = self._client.register_script(PUT)
+            self._touch_script = self._client.register_script(TOUCH)
+            self._keyring_script = self._client.register_script(KEYRING)
             self._scan_script = self._client.register_script(SCAN)
             self._clear_script = self._client.register_script(CLEAR)
         return self._client
@@ -151,19 +187,29 @@ class RedisStorage:
 
     async def open(self) -> None:
         await self._call(lambda client: client.ping())
+        if not self._policy_checked:
+            self._policy_checked = True
+            await self._warn_about_eviction()
 
-    async def secret(self) -> bytes:
-        if self._secret is None:
-            key = self._prefix + b"secret"
+    async def _warn_about_eviction(self) -> None:
+        """Records carry TTLs and the secret carries none: a policy that evicts
+        keys without a TTL can evict the secret and every record's meaning with
+        it. Servers that refuse CONFIG GET (managed ones) are not asked twice."""
+        try:
+            reply = await self._call(lambda client: client.config_get("maxmemory-policy"))
+        except StorageError:
+            return
+        policy = {_text(k): _text(v) for k, v in reply.items()}.get("maxmemory-policy", "")
+        if policy.startswith("allkeys"):
+            logger.warning("stateful-responses: %s evicts keys without a TTL (maxmemory-policy %s): set noeviction "
+                           "or a volatile-* policy, or the store's secret may be evicted", self.name, policy)
 
-            async def set_once_then_get(client: redis.asyncio.Redis) -> bytes:
-                async with client.pipeline(transaction=True) as pipe:
-                    pipe.set(key, os.urandom(32), nx=True)
-                    pipe.get(key)
-                    return (await pipe.execute())[1]
-
-            self._secret = await self._call(set_once_then_get)
-        return self._secret
+    async def keyring(self, ours: bytes | None = None) -> tuple[bytes, tuple[bytes, ...]]:
+        secret_key, secrets_key = self._prefix + b"secret", self._prefix + b"secrets"
+        reply = await self._call(lambda client: self._keyring_script(
+            keys=[secret_key, secrets_key], args=[ours or os.urandom(32), b"1" if ours else b"0"]))
+        self._secret = bytes(reply[0])
+        return self._secret, tuple(bytes(s) for s in reply[1] if bytes(s) != self._secret)
 
     async def get(self, table: str, keys: Sequence[bytes]) -> dict[bytes, bytes]:
         prefix = self._record_prefix(table)
@@ -179,7 +225,7 @@ class RedisStorage:
         await self.write(Batch(deletes=[(table, keys)]))
 
     async def write(self, batch: Batch) -> None:
-        for table, *_ in (*batch.deletes, *batch.puts):
+        for table, *_ in (*batch.deletes, *batch.puts, *batch.touches):
             check_table(table)
         deletes = [(self._index(table), [self._record_prefix(table) + key for key in keys])
                    for table, keys in batch.deletes if keys]
@@ -187,16 +233,25 @@ class RedisStorage:
                  [max(1, math.ceil(ttl * 1000)), self._limits.get(table, self._default_limit), table,
                   *records.values()])
                 for table, records, ttl in batch.puts if records]
-        if not deletes and not puts:
+        touches = [([self._index(table), *(self._record_prefix(table) + key for key in keys)],
+                    [max(1, math.ceil(ttl * 1000))])
+                   for table, keys, ttl in batch.touches if keys]
+        if not deletes and not puts and not touches:
             return
+        secret = self._secret
 
         async def in_one_transaction(client: redis.asyncio.Redis) -> None:
             async with client.pipeline(transaction=True) as pipe:
+                if secret is not None:  # a server that restarted empty gets the secret back before any record
+                    pipe.set(self._prefix + b"secret", secret, nx=True)
+                    pipe.sadd(self._prefix + b"secrets", secret)
                 for index, record_keys in deletes:
                     pipe.delete(*record_keys)
                     pipe.zrem(index, *record_keys)
                 for keys, args in puts:
                     await self._put_script(keys=keys, args=args, client=pipe)
+                for keys, args in touches:
+                    await self._touch_script(keys=keys, args=args, client=pipe)
                 await pipe.execute()
 
         await self._call(in_one_transaction)
@@ -216,6 +271,10 @@ class RedisStorage:
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("latin-1") if isinstance(value, bytes) else value
 
 
 def _describe(exc: BaseException) -> str:

@@ -54,6 +54,7 @@ SCHEMA = (
 GET = "SELECT key, value FROM records WHERE tbl = ? AND +expires > ? AND key IN ({})"
 UPSERT = ("INSERT INTO records (tbl, key, value, expires) VALUES (?, ?, ?, ?) "
           "ON CONFLICT (tbl, key) DO UPDATE SET value = excluded.value, expires = excluded.expires")
+TOUCH = "UPDATE records SET expires = ? WHERE tbl = ? AND key = ? AND expires > ? AND expires < ?"
 DELETE_SOONEST = ("DELETE FROM records WHERE rowid IN "
                   "(SELECT rowid FROM records WHERE tbl = ? ORDER BY expires LIMIT ?)")
 DELETE_EXPIRED = ("DELETE FROM records WHERE rowid IN "
@@ -104,7 +105,6 @@ class SQLiteStorage:
         self._busy_timeout = busy_timeout
         self._sweep_interval = sweep_interval
         self._next_sweep = 0.0
-        self._secret: bytes | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._db: sqlite3.Connection | None = None  # used by the worker thread only
         # Checkpoints: a thread and a connection of their own (see _checkpoint_soon).
@@ -122,10 +122,8 @@ class SQLiteStorage:
     async def open(self) -> None:
         await self._run(lambda db: None)
 
-    async def secret(self) -> bytes:
-        if self._secret is None:
-            self._secret = await self._run(self._read_or_create_secret)
-        return self._secret
+    async def keyring(self, ours: bytes | None = None) -> tuple[bytes, tuple[bytes, ...]]:
+        return await self._run(self._keyring, ours)
 
     async def get(self, table: str, keys: Sequence[bytes]) -> dict[bytes, bytes]:
         check_table(table)
@@ -140,12 +138,13 @@ class SQLiteStorage:
     async def write(self, batch: Batch) -> None:
         # One job and one transaction for the whole batch: every hop to the
         # worker costs the event loop a wake-up and a turn of the GIL.
-        for table, *_ in (*batch.deletes, *batch.puts):
+        for table, *_ in (*batch.deletes, *batch.puts, *batch.touches):
             check_table(table)
         deletes = [(table, list(keys)) for table, keys in batch.deletes if keys]
         puts = [(table, dict(records), ttl) for table, records, ttl in batch.puts if records]
-        if deletes or puts:
-            await self._run(self._write, deletes, puts)
+        touches = [(table, list(keys), ttl) for table, keys, ttl in batch.touches if keys]
+        if deletes or puts or touches:
+            await self._run(self._write, deletes, puts, touches)
 
     async def scan(self, table: str) -> dict[bytes, bytes]:
         check_table(table)
@@ -275,13 +274,16 @@ class SQLiteStorage:
         if db is not None:
             db.close()
 
-    def _read_or_create_secret(self, db: sqlite3.Connection) -> bytes:
+    def _keyring(self, db: sqlite3.Connection, ours: bytes | None) -> tuple[bytes, tuple[bytes, ...]]:
         row = db.execute("SELECT value FROM meta WHERE name = 'secret'").fetchone()
-        if row is None:
+        if row is None or (ours is not None and ours != row[0]):
             with _transaction(db):
-                db.execute("INSERT OR IGNORE INTO meta VALUES ('secret', randomblob(32))")
+                db.execute("INSERT OR IGNORE INTO meta VALUES ('secret', ?)", (ours or os.urandom(32),))
                 row = db.execute("SELECT value FROM meta WHERE name = 'secret'").fetchone()
-        return row[0]
+                if ours is not None and ours != row[0]:
+                    db.execute("INSERT OR IGNORE INTO meta VALUES (?, ?)", ("older:" + ours.hex(), ours))
+        older = db.execute("SELECT value FROM meta WHERE name LIKE 'older:%'").fetchall()
+        return row[0], tuple(value for (value,) in older if value != row[0])
 
     def _get(self, db: sqlite3.Connection, table: str, keys: list[bytes]) -> dict[bytes, bytes]:
         now = time.time()
@@ -293,7 +295,8 @@ class SQLiteStorage:
         return found
 
     def _write(self, db: sqlite3.Connection, deletes: list[tuple[str, list[bytes]]],
-               puts: list[tuple[str, dict[bytes, bytes], float]]) -> None:
+               puts: list[tuple[str, dict[bytes, bytes], float]],
+               touches: list[tuple[str, list[bytes], float]]) -> None:
         now = time.time()
         with _transaction(db):
             for table, keys in deletes:
@@ -303,6 +306,8 @@ class SQLiteStorage:
                 over = self._count(db, table) - self._limits.get(table, self._default_limit)
                 if over > 0:
                     db.execute(DELETE_SOONEST, (table, over))
+            for table, keys, ttl in touches:
+                db.executemany(TOUCH, ((now + ttl, table, key, now, now + ttl) for key in keys))
             if puts and now >= self._next_sweep:
                 self._next_sweep = now + self._sweep_interval
                 for (name,) in db.execute("SELECT tbl FROM counts WHERE n > 0").fetchall():

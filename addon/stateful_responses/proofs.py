@@ -1,0 +1,134 @@
+"""Before anything relies on an upstream storing responses, ask it to read one
+back: ``GET …/responses/{id}`` with the credential that made it.
+
+An answer's ``store: true`` can be an echo of the request (a gateway bridging
+onto chat completions stores nothing and still says so), so the word of an
+answer is not proof. One GET per upstream + credential, started as soon as the
+first stored answer arrives, sent the way mitmproxy sends the client's own
+requests (reverse or upstream mode, TLS options); the next request of that
+upstream + credential waits for it (``PROOF_WAIT`` at most) before it is
+planned. The verdict is a mark in the state store, so replicas and restarts
+reuse it; a proof that could not finish (a 5xx, a reset, a timeout) leaves the
+upstream unproven, full history goes out, and a later stored answer tries again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from urllib.parse import quote, urlsplit
+
+from mitmproxy import http
+
+from .bounded import Bounded
+from .counters import Counters
+from .flows import internal_error
+from .replays import Replays
+from .state.access import StateAccess
+from .upstreams import MARKS, Upstreams
+
+logger = logging.getLogger(__name__)
+
+PROOF_WAIT = 2.0  # a request waits this long at most for its upstream's proof
+RETRY_AFTER = 30.0  # an unfinished proof is tried again no sooner than this
+LOOK_AGAIN = 1.0  # the store is asked for another replica's proof of a scope at most this often
+_DROPPED_HEADERS = ("content-length", "content-type", "content-encoding", "transfer-encoding")
+
+
+def reads_back(status: int, body: bytes | None, response_id: str) -> bool | None:
+    """The verdict of a proof's answer: True (the response came back), False
+    (the upstream cannot read it: any 4xx but 408 and 429), None (unknown: try
+    again later)."""
+    if status in (408, 429) or status >= 500:
+        return None
+    if status >= 400:
+        return False
+    try:
+        answer = json.loads(body or b"")
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(answer, dict) and isinstance(answer.get("id"), str) and isinstance(answer.get("output"), list)
+
+
+class Proofs:
+    def __init__(self, upstreams: Upstreams, replays: Replays, state: StateAccess, counters: Counters) -> None:
+        self.upstreams = upstreams
+        self.replays = replays
+        self.state = state
+        self.counters = counters
+        self._running: dict[str, asyncio.Task] = {}
+        self._tried = Bounded(4096)  # scope -> when its last unfinished proof started
+        self._looked = Bounded(4096)  # scope -> when the store was last asked for its proof
+
+    def start(self, flow: http.HTTPFlow, scope: str, label: str, upstream: str, response_id: str) -> None:
+        """Prove ``scope`` (``upstream``, a base URL, as seen by ``flow``'s
+        credential) with the stored ``response_id`` ``flow`` was just answered
+        with, unless it is proven, disproven or being proven."""
+        loop = asyncio.get_running_loop()
+        if not self.upstreams.unproven(scope) or scope in self._running \
+                or loop.time() < self._tried.get(scope, float("-inf")) + RETRY_AFTER:
+            return
+        self._tried.put(scope, loop.time())
+        self._running[scope] = loop.create_task(self._prove(flow, scope, label, upstream, response_id))
+
+    async def proven(self, scope: str) -> None:
+        """Until ``scope``'s running proof is over and its verdict written to
+        the store, ``PROOF_WAIT`` at most: the answer that started it reaches
+        the client whole only then, so that another replica finds the verdict."""
+        task = self._running.get(scope)
+        if task is not None:
+            await asyncio.wait({task}, timeout=PROOF_WAIT)
+            if task.done() and not task.cancelled():
+                await self.state.written(task.result())
+
+    def running(self, scope: str) -> bool:
+        return scope in self._running
+
+    async def settled(self, scope: str) -> None:
+        """Until ``scope``'s running proof is over, ``PROOF_WAIT`` at most;
+        with none running here, another replica's verdict is read from the
+        store (now and then: a scope no upstream answer proves is asked about
+        at most every ``LOOK_AGAIN``)."""
+        task = self._running.get(scope)
+        if task is not None:
+            await asyncio.wait({task}, timeout=PROOF_WAIT)
+            return
+        if not self.upstreams.unproven(scope):
+            return
+        now = asyncio.get_running_loop().time()
+        if now < self._looked.get(scope, float("-inf")) + LOOK_AGAIN:
+            return
+        self._looked.put(scope, now)
+        self.upstreams.load(await self.state.get(MARKS, self.upstreams.proof_keys(scope)))
+
+    async def _prove(self, flow: http.HTTPFlow, scope: str, label: str, upstream: str,
+                     response_id: str) -> asyncio.Future | None:
+        """Send the GET and mark the verdict; the verdict's write, on its way."""
+        try:
+            request = flow.request.copy()
+            request.method = "GET"
+            query = request.path.partition("?")[2]  # some gateways take keys there
+            request.path = f"{urlsplit(upstream).path}/responses/{quote(response_id, safe='')}" + \
+                (f"?{query}" if query else "")
+            for name in _DROPPED_HEADERS:
+                request.headers.pop(name, None)
+            request.content = b""
+            answer, failure = await self.replays.send(flow, request, f"can the upstream read {response_id} back?",
+                                                      kind="proof")
+            verdict = None if failure is not None else reads_back(answer.status_code, answer.content, response_id)
+            if verdict is True:
+                self._tried.pop(scope, None)
+                self.upstreams.mark("reads_back", scope)
+            elif verdict is False:
+                self._tried.pop(scope, None)
+                if self.upstreams.mark("unsupported", scope):
+                    self.counters.unsupported_upstreams += 1
+                    logger.info("stateful-responses: %s cannot read back a response it said it stored (%d); "
+                                "sending full history to it from now on", label, answer.status_code)
+            return self.state.flush()
+        except Exception:
+            internal_error(self.counters, "proving an upstream stores responses")
+            return None
+        finally:
+            self._running.pop(scope, None)
