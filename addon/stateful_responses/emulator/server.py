@@ -40,7 +40,7 @@ from .conversation import Call, ConversationAPI
 from .errors import APIError
 from .gemini import GenerateContent
 from .model import ResponsesModel
-from .sse import TERMINAL_EVENT, background_events, encode_event, error_events, sse_events
+from .sse import TERMINAL_EVENT, background_events, encode_event, error_events, sse_events, wants_obfuscation
 
 ROUTE = re.compile(r"^(?:/v1)?/responses(?:/(?P<id>[^/]+)(?:/(?P<action>input_items|cancel))?)?/?$")
 CONVERSATION_ROUTES: tuple[tuple[re.Pattern, ConversationAPI], ...] = (
@@ -227,8 +227,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif not parsed.get("stream"):
             self._send_json(200, response)
         else:
-            stream_options = parsed.get("stream_options")
-            obfuscation = not (isinstance(stream_options, dict) and stream_options.get("include_obfuscation") is False)
+            obfuscation = wants_obfuscation(parsed)
             if kind == "stream_error":
                 events: Iterable[dict] = error_events(response, errors.STREAM_ERROR)
             elif response["background"]:
