@@ -190,8 +190,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         ws = ResponsesSocket(self.model, self.connection, self.rfile, credential)
         headers = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in self.headers.items()]
-        if ws.handshake(self.path, headers):
-            with self.server.serving(ws):
+        with self.server.serving(ws):
+            if ws.handshake(self.path, headers):
                 ws.serve()
 
     def do_DELETE(self) -> None:
@@ -348,12 +348,16 @@ class _Server(ThreadingHTTPServer):
         self.model = model
         self._sockets: set[ResponsesSocket] = set()
         self._sockets_lock = threading.Lock()
+        self._stopping = False
 
     @contextmanager
     def serving(self, ws: ResponsesSocket) -> Iterator[None]:
-        """Track an open WebSocket while it is served, so that stopping closes it."""
+        """Track a WebSocket from its upgrade on, so that stopping closes it
+        (one upgraded while the server stops is closed at once)."""
         with self._sockets_lock:
             self._sockets.add(ws)
+            if self._stopping:
+                ws.close()
         try:
             yield
         finally:
@@ -361,7 +365,9 @@ class _Server(ThreadingHTTPServer):
                 self._sockets.discard(ws)
 
     def close_sockets(self) -> None:
+        """Close every open WebSocket, and from now on each one as it upgrades."""
         with self._sockets_lock:
+            self._stopping = True
             for ws in self._sockets:
                 ws.close()
 

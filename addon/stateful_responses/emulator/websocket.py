@@ -65,14 +65,19 @@ class ResponsesSocket:
 
     def handshake(self, path: str, headers: list[tuple[bytes, bytes]]) -> bool:
         """Answer the upgrade request the HTTP handler has read: 101, or the
-        HTTP error wsproto gives a malformed handshake. True once open."""
+        HTTP error wsproto gives a malformed handshake. True once open (False
+        too when the connection is already gone: closed by a stopping server)."""
         try:
             self._ws.initiate_upgrade_connection(headers, path)
         except RemoteProtocolError as e:
-            self.connection.sendall(self._ws.send(e.event_hint or RejectConnection(status_code=400)))
+            answer, accepted = self._ws.send(e.event_hint or RejectConnection(status_code=400)), False
+        else:
+            answer, accepted = self._ws.send(AcceptConnection()), True
+        try:
+            self.connection.sendall(answer)
+        except OSError:
             return False
-        self.connection.sendall(self._ws.send(AcceptConnection()))
-        return True
+        return accepted
 
     def serve(self) -> None:
         """Answer messages until the client closes the socket or it breaks."""
