@@ -7,9 +7,9 @@ from __future__ import annotations
 
 NOT_PERSISTED_HINT = (" Items are not persisted when `store` is set to false. Try again with `store` set to true,"
                       " or remove this item from your input.")
+SERVER_ERROR_MESSAGE = "The server had an error while processing your request. Sorry about that!"
 # What an ``error`` event carries when a stream fails after it started.
-STREAM_ERROR = {"type": "server_error", "code": "server_error",
-                "message": "The server had an error while processing your request. Sorry about that!", "param": None}
+STREAM_ERROR = {"type": "server_error", "code": "server_error", "message": SERVER_ERROR_MESSAGE, "param": None}
 
 
 class APIError(Exception):
@@ -89,4 +89,42 @@ def invalid_url(method: str, path: str) -> APIError:
 
 
 def server_error(status: int = 500) -> APIError:
-    return APIError(status, "The server had an error while processing your request. Sorry about that!", "server_error")
+    return APIError(status, SERVER_ERROR_MESSAGE, "server_error")
+
+
+def injected(fault: dict) -> APIError:
+    """The error a fault asks for (``status``, ``code``, ``message``, ``type``):
+    by default a server error from 500 up, otherwise a refused request."""
+    status = fault.get("status", 500)
+    if status >= 500:
+        return APIError(status, fault.get("message", SERVER_ERROR_MESSAGE), fault.get("type", "server_error"),
+                        code=fault.get("code"))
+    return APIError(status, fault.get("message", "The request was refused."),
+                    fault.get("type", "invalid_request_error"), code=fault.get("code"))
+
+
+# -- WebSocket mode: each refusal is an ``error`` event on the socket -----------
+
+def websocket_connection_limit_reached() -> APIError:
+    """A socket past its lifetime; worded as OpenAI's API words it (codex-rs
+    ``responses_websocket.rs`` matches this code and message)."""
+    return APIError(400, "Responses websocket connection limit reached (60 minutes). Create a new websocket"
+                         " connection to continue.", code="websocket_connection_limit_reached")
+
+
+def response_in_progress(response_id: str) -> APIError:
+    """A ``response.create`` while the socket's turn runs. The wording is the
+    Realtime API's for the same refusal; the Responses API's is not published."""
+    return APIError(400, f"Conversation already has an active response in progress: {response_id}. Wait until the"
+                         " response is finished before creating a new one.",
+                    code="conversation_already_has_active_response")
+
+
+def background_over_websocket() -> APIError:
+    return APIError(400, "Unsupported parameter: 'background' is not supported in WebSocket mode.",
+                    param="background", code="unsupported_parameter")
+
+
+def unknown_client_event(event_type: object) -> APIError:
+    return APIError(400, f"Invalid value: '{event_type}'. Supported values are: 'response.create'.",
+                    param="type", code="invalid_value")

@@ -7,6 +7,10 @@ docs/emulator.md), not the addon: responses are stored per credential;
 output before) plus this input; ``instructions`` and ``tools`` are not
 inherited; unknown or unstored parents get the API's own error body.
 
+WebSocket mode (``create_on_socket``) shares that core: a socket keeps its most
+recent response in memory (``SocketSession``), so continuing from it needs no
+storage; any other parent is read from the store, as over HTTP.
+
 The same model answers the stateless conversation APIs (Chat Completions,
 Anthropic Messages, Gemini) through ``converse``, with one log and one fault
 queue for all; their modules give each API's shapes (conversation.py).
@@ -19,6 +23,7 @@ import json
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,12 +33,15 @@ from .errors import APIError
 from .shapes import is_item_reference, listed_item, new_id, response_object
 from .store import BackgroundJob, ResponseStore, StoredResponse
 
-__all__ = ["APIError", "Faults", "ResponsesModel", "canonical", "context_digest"]
+__all__ = ["APIError", "Faults", "ResponsesModel", "SocketSession", "canonical", "context_digest"]
 
 LIST_ORDERS = ("asc", "desc")
 RESPONSES = "openai-responses"  # the log's ``protocol`` for this API
 # The faults the other APIs take; the rest are about Responses' own semantics.
 CONVERSATION_FAULTS = frozenset({"status", "reset", "html", "cut"})
+# The faults only a WebSocket turn takes; an HTTP request leaves them queued.
+SOCKET_ONLY_FAULTS = frozenset({"ws_close", "ws_error"})
+SOCKET_FAULTS = frozenset({"reject", "status", "failed", "incomplete", "stream_error"}) | SOCKET_ONLY_FAULTS
 
 
 def _text_of(item: dict) -> str:
@@ -60,14 +68,18 @@ class Faults:
     gzip: bool = False
     background_delay_ms: int = 200  # a background response's time from queued to finished
     read_rate_bytes_per_s: int = 0  # request bodies are read at this rate (0: as fast as they come)
+    websocket: str | None = None  # "refuse": WebSocket upgrades are refused, as by a server without the mode
+    ws_lifetime_s: float = 3600  # a socket's lifetime, after which response.create is refused
     next: list[dict] = field(default_factory=list)  # one-shot faults, FIFO
 
     def take(self, continued: bool, protocol: str = RESPONSES, kinds: frozenset[str] | None = None) -> dict | None:
         """The first queued fault that applies: to this protocol (a fault may
-        name one), of one of ``kinds`` (None: any), and to a continuation or
-        a fresh request as its ``when`` says."""
+        name one), of one of ``kinds`` (None: any but the WebSocket-only ones),
+        and to a continuation or a fresh request as its ``when`` says."""
         for i, fault in enumerate(self.next):
-            if fault.get("protocol", protocol) != protocol or (kinds is not None and fault.get("kind") not in kinds):
+            kind = fault.get("kind")
+            if fault.get("protocol", protocol) != protocol or (
+                    kind in SOCKET_ONLY_FAULTS if kinds is None else kind not in kinds):
                 continue
             when = fault.get("when", "any")
             if when == "any" or (when == "continued") == continued:
@@ -76,7 +88,19 @@ class Faults:
 
 
 SETTABLE = ("stateless", "echo_store", "echo_previous", "refuse_store", "forget_probability", "slow_ms", "think_ms",
-            "gzip", "background_delay_ms", "read_rate_bytes_per_s")
+            "gzip", "background_delay_ms", "read_rate_bytes_per_s", "websocket", "ws_lifetime_s")
+
+
+@dataclass
+class SocketSession:
+    """One WebSocket's state: the credential of its upgrade, when it opened, its
+    most recent response (kept in memory: the connection-local cache), and
+    whether a turn is running on it (one response at a time)."""
+
+    credential: str
+    opened: float = field(default_factory=time.monotonic)
+    latest: StoredResponse | None = None
+    running: str | None = None  # the id of the response whose events the socket is sending
 
 
 class ResponsesModel:
@@ -112,10 +136,17 @@ class ResponsesModel:
     def record_stream(self, response_id: str, sent: bytes) -> None:
         """Keep the exact event-stream bytes sent for a response (before any
         content-encoding), so tests can compare them with what a client got."""
+        self._record_sent(response_id, "sse", sent.decode())
+
+    def record_messages(self, response_id: str, messages: list[str]) -> None:
+        """Keep the WebSocket messages sent for a response so far, one JSON text each."""
+        self._record_sent(response_id, "messages", list(messages))
+
+    def _record_sent(self, response_id: str, key: str, sent: Any) -> None:
         with self._lock:
             for record in reversed(self.log):
                 if record.get("response_id") == response_id:
-                    record["sse"] = sent.decode()
+                    record[key] = sent
                     return
 
     def snapshot_log(self) -> list[dict]:
@@ -123,28 +154,63 @@ class ResponsesModel:
             self._advance_background()
             return list(self.log)
 
-    # -- POST /responses -----------------------------------------------------
+    # -- POST /responses, and response.create on a WebSocket -------------------
 
     def create(self, credential: str, body: Any, body_bytes: int, raw_sha256: str = "") -> tuple[dict, dict | None]:
         """Validate, resolve context, answer. Returns (response, one-shot fault).
 
         Raises APIError with the API's status and body for refused requests.
         """
-        record: dict[str, Any] = {"protocol": RESPONSES, "body_bytes": body_bytes, "body_sha256": raw_sha256,
-                                  "credential": _credential_hash(credential)}
+        record = _record(RESPONSES, "http", credential, body_bytes, raw_sha256)
+        return self._logged(record, lambda: self._create(credential, body, record))
+
+    def create_on_socket(self, socket: SocketSession, message: Any, message_bytes: int,
+                         sha256: str) -> tuple[dict, dict | None]:
+        """A message received on a WebSocket, answered as ``create`` answers
+        the same body over HTTP, with the socket's own rules: only
+        ``response.create``, one response at a time, a lifetime limit, no
+        background, ``generate: false`` (a warm-up without output), and the
+        socket's most recent response as a parent that needs no storage.
+
+        A refused turn evicts that response (a socket continues only from a
+        turn that completed); a refusal because another turn is running does
+        not, as that turn is still to finish.
+        """
+        record = _record(RESPONSES, "websocket", socket.credential, message_bytes, sha256)
+        return self._logged(record, lambda: self._create_on_socket(socket, message, record))
+
+    def _logged(self, record: dict, create: Callable[[], tuple[dict, dict | None]]) -> tuple[dict, dict | None]:
+        """Run ``create`` under the lock with ``record`` in the log, noting how it was answered."""
         with self._lock:
             self._advance_background()
             self.log.append(record)
             try:
-                response, fault = self._create(credential, body, record)
+                answer = create()
             except APIError as e:
                 record["error"] = e.body["error"]
                 record["status_code"] = e.status
                 raise
             record["status_code"] = 200
-            return response, fault
+            return answer
 
-    def _create(self, credential: str, body: Any, record: dict) -> tuple[dict, dict | None]:
+    def _create_on_socket(self, socket: SocketSession, message: Any, record: dict) -> tuple[dict, dict | None]:
+        if socket.running is not None:
+            raise errors.response_in_progress(socket.running)
+        try:
+            if not isinstance(message, dict):
+                raise errors.unparsable_json()
+            if message.get("type") != "response.create":
+                raise errors.unknown_client_event(message.get("type"))
+            if time.monotonic() - socket.opened >= self.faults.ws_lifetime_s:
+                raise errors.websocket_connection_limit_reached()
+            body = {key: value for key, value in message.items() if key != "type"}
+            return self._create(socket.credential, body, record, socket)
+        except APIError:
+            socket.latest = None
+            raise
+
+    def _create(self, credential: str, body: Any, record: dict,
+                socket: SocketSession | None = None) -> tuple[dict, dict | None]:
         if not credential:
             raise errors.missing_api_key()
         if not isinstance(body, dict):
@@ -156,9 +222,15 @@ class ResponsesModel:
         previous = body.get("previous_response_id")
         store = body.get("store", True)
         background = body.get("background") is True
+        streamed = socket is not None or bool(body.get("stream"))  # a socket always streams
+        generate = socket is None or body.get("generate") is not False  # a socket's warm-up generates nothing
         f = self.faults
-        record.update(input_items=len(items), previous_response_id=previous, stream=bool(body.get("stream")),
+        record.update(input_items=len(items), previous_response_id=previous, stream=streamed,
                       store=store, instructions=body.get("instructions"), model=model, background=background)
+        if socket is not None:
+            record["generate"] = generate
+            if background:
+                raise errors.background_over_websocket()
 
         if f.refuse_store and body.get("store") is True:
             raise APIError(400, "Store must be false for this organization due to Zero Data Retention.", param="store")
@@ -167,9 +239,12 @@ class ResponsesModel:
             if f.stateless == "reject":
                 raise APIError(400, "This server does not support 'previous_response_id'.")
             if f.stateless != "ignore":
-                parent = self._parent(credential, previous)
+                parent = self._parent(credential, previous, socket, store)
+        if socket is not None:
+            record["hydrated"] = parent is not None and parent is not socket.latest
         items, references = self._resolve_references(credential, items, store is not False)
-        fault = f.take(continued=previous is not None and f.stateless != "ignore", protocol=RESPONSES)
+        fault = f.take(continued=previous is not None and f.stateless != "ignore", protocol=RESPONSES,
+                       kinds=SOCKET_FAULTS if socket is not None else None)
         kind = fault.get("kind") if fault else None
         record["fault"] = kind
         if kind == "reject":
@@ -177,8 +252,10 @@ class ResponsesModel:
                            code=fault.get("code", "invalid_request_error"))
         if kind == "status":
             raise errors.server_error(fault.get("status", 500))
+        if kind == "ws_error":
+            raise errors.injected(fault)
         if kind == "stream_error":
-            if not body.get("stream"):
+            if not streamed:
                 raise errors.server_error()
             record["error"] = dict(errors.STREAM_ERROR)
 
@@ -198,10 +275,13 @@ class ResponsesModel:
             self._jobs[(credential, response_id)] = stored
             record.update(stored=False, output=[])
             return response, fault
-        response = self._answer(body, response_id, created_at, context, fault)
-        keep = self._stores(store) and response["status"] == "completed"
+        response = self._answer(body, response_id, created_at, context, fault, generate)
+        completed = response["status"] == "completed"
+        keep = self._stores(store) and completed
         if self._stores(store):
             self._store.put(credential, StoredResponse(response, context + response["output"], listed, keep))
+        if socket is not None:  # the socket remembers its latest response, stored or not, if it completed
+            socket.latest = StoredResponse(response, context + response["output"], listed, True) if completed else None
         record.update(stored=keep, output=response["output"])
         return response, fault
 
@@ -212,7 +292,15 @@ class ResponsesModel:
     def _store_echo(self, store: Any) -> bool | None:
         return self._stores(store) if self.faults.echo_store else None
 
-    def _parent(self, credential: str, previous: Any) -> StoredResponse:
+    def _parent(self, credential: str, previous: Any, socket: SocketSession | None = None,
+                store: Any = True) -> StoredResponse:
+        """The response ``previous`` names: a socket's most recent one from the
+        socket's memory; otherwise a continuable stored one, which a socket
+        reads (hydrates) only for a request with ``store`` not false."""
+        if socket is not None and socket.latest is not None and socket.latest.response["id"] == previous:
+            return socket.latest
+        if socket is not None and store is False:
+            raise errors.previous_response_not_found(previous)
         stored = self._store.get(credential, previous)
         if stored is not None and not stored.continuable:
             stored = None
@@ -239,10 +327,12 @@ class ResponsesModel:
             references += 1
         return resolved, references
 
-    def _answer(self, body: dict, response_id: str, created_at: int, context: list, fault: dict | None) -> dict:
-        """The finished response to ``body`` over ``context``, shaped by a fault."""
+    def _answer(self, body: dict, response_id: str, created_at: int, context: list, fault: dict | None,
+                generate: bool = True) -> dict:
+        """The finished response to ``body`` over ``context``, shaped by a fault;
+        without output when it is not to ``generate``."""
         encoded = canonical(context)
-        output = self._generate(body, context, hashlib.sha256(encoded).hexdigest()[:16])
+        output = self._generate(body, context, hashlib.sha256(encoded).hexdigest()[:16]) if generate else []
         kind = (fault or {}).get("kind")
         status = {"failed": "failed", "incomplete": "incomplete", "stream_error": "failed"}.get(kind, "completed")
         if status == "failed":
@@ -302,8 +392,7 @@ class ResponsesModel:
         logged like ``create``. Returns (answer, conversation, one-shot fault);
         raises APIError with that API's status and body for refused requests."""
         credential = api.credential(call)
-        record: dict[str, Any] = {"protocol": api.name, "body_bytes": call.body_bytes,
-                                  "body_sha256": call.body_sha256, "credential": _credential_hash(credential)}
+        record = _record(api.name, "http", credential, call.body_bytes, call.body_sha256)
         with self._lock:
             self._advance_background()
             self.log.append(record)
@@ -417,6 +506,12 @@ class ResponsesModel:
 def _credential_hash(credential: str) -> str:
     """What the log keeps of a credential: enough to tell tenants apart."""
     return hashlib.sha256(credential.encode()).hexdigest()[:8]
+
+
+def _record(protocol: str, transport: str, credential: str, body_bytes: int, body_sha256: str) -> dict[str, Any]:
+    """A log record's opening: which API and transport, what arrived, from whom."""
+    return {"protocol": protocol, "transport": transport, "body_bytes": body_bytes, "body_sha256": body_sha256,
+            "credential": _credential_hash(credential)}
 
 
 def _input_of(body: dict) -> list:

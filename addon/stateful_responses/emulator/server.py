@@ -7,6 +7,7 @@ for tests and the demo.
   ``DELETE /v1/responses/{id}``                delete
   ``GET    /v1/responses/{id}/input_items``    list the items it was generated from
   ``POST   /v1/responses/{id}/cancel``         cancel a background response
+  ``GET    /v1/responses`` + ``Upgrade: websocket``  WebSocket mode (websocket.py)
 
   ``POST   /v1/chat/completions``              OpenAI Chat Completions (chat.py)
   ``POST   /v1/messages``                      Anthropic Messages (anthropic.py)
@@ -29,6 +30,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, urlsplit
@@ -40,7 +42,8 @@ from .conversation import Call, ConversationAPI
 from .errors import APIError
 from .gemini import GenerateContent
 from .model import ResponsesModel
-from .sse import TERMINAL_EVENT, background_events, encode_event, error_events, sse_events
+from .sse import TERMINAL_EVENT, background_events, encode_event, error_events, sse_events, wants_obfuscation
+from .websocket import ResponsesSocket
 
 ROUTE = re.compile(r"^(?:/v1)?/responses(?:/(?P<id>[^/]+)(?:/(?P<action>input_items|cancel))?)?/?$")
 CONVERSATION_ROUTES: tuple[tuple[re.Pattern, ConversationAPI], ...] = (
@@ -153,6 +156,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(HTML_PAGE)
 
     def do_GET(self) -> None:
+        if self.headers.get("upgrade", "").lower() == "websocket" and ROUTE.match(urlsplit(self.path).path):
+            self._upgrade()
+            return
         self._read_body()
         if self.path == "/_emulator/log":
             self._send_json(200, self.model.snapshot_log())
@@ -165,6 +171,28 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send_json(200, self.model.retrieve(self._credential(), route.response_id))
         except APIError as e:
             self._send_error(e)
+
+    def _upgrade(self) -> None:
+        """``GET /v1/responses`` asking for a WebSocket: WebSocket mode
+        (websocket.py), unless refused with an HTTP status, as the API refuses
+        an upgrade without a credential (401) and a server without the mode
+        answers a GET on the path (404 ``Invalid URL``: the ``websocket`` fault)."""
+        self.close_connection = True
+        credential = self._credential()
+        try:
+            self._route("GET", "responses")
+            if self.model.faults.websocket == "refuse":
+                raise errors.invalid_url("GET", self.path)
+            if not credential:
+                raise errors.missing_api_key()
+        except APIError as e:
+            self._send_error(e)
+            return
+        ws = ResponsesSocket(self.model, self.connection, self.rfile, credential)
+        headers = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in self.headers.items()]
+        with self.server.serving(ws):
+            if ws.handshake(self.path, headers):
+                ws.serve()
 
     def do_DELETE(self) -> None:
         self._read_body()
@@ -227,8 +255,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif not parsed.get("stream"):
             self._send_json(200, response)
         else:
-            stream_options = parsed.get("stream_options")
-            obfuscation = not (isinstance(stream_options, dict) and stream_options.get("include_obfuscation") is False)
+            obfuscation = wants_obfuscation(parsed)
             if kind == "stream_error":
                 events: Iterable[dict] = error_events(response, errors.STREAM_ERROR)
             elif response["background"]:
@@ -319,6 +346,30 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], model: ResponsesModel) -> None:
         super().__init__(address, _Handler)
         self.model = model
+        self._sockets: set[ResponsesSocket] = set()
+        self._sockets_lock = threading.Lock()
+        self._stopping = False
+
+    @contextmanager
+    def serving(self, ws: ResponsesSocket) -> Iterator[None]:
+        """Track a WebSocket from its upgrade on, so that stopping closes it
+        (one upgraded while the server stops is closed at once)."""
+        with self._sockets_lock:
+            self._sockets.add(ws)
+            if self._stopping:
+                ws.close()
+        try:
+            yield
+        finally:
+            with self._sockets_lock:
+                self._sockets.discard(ws)
+
+    def close_sockets(self) -> None:
+        """Close every open WebSocket, and from now on each one as it upgrades."""
+        with self._sockets_lock:
+            self._stopping = True
+            for ws in self._sockets:
+                ws.close()
 
 
 class Emulator:
@@ -351,6 +402,7 @@ class Emulator:
         return self
 
     def stop(self) -> None:
+        self._server.close_sockets()
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)

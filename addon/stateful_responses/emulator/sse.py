@@ -20,6 +20,12 @@ def encode_event(event: dict) -> bytes:
     return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
 
 
+def wants_obfuscation(body: dict) -> bool:
+    """Whether a request's stream pads its deltas (``stream_options.include_obfuscation``, default true)."""
+    stream_options = body.get("stream_options")
+    return not (isinstance(stream_options, dict) and stream_options.get("include_obfuscation") is False)
+
+
 def obfuscation_padding(delta: str) -> str:
     """Random padding on delta events, which the API sends by default so that
     event sizes do not give away the tokens' lengths."""
