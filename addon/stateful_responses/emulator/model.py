@@ -226,10 +226,20 @@ class ResponsesModel:
 
     def _resolve_references(self, credential: str, items: list, store: bool) -> tuple[list, int]:
         """Each item reference replaced by the stored item it names (an output
-        or input item of this credential's stored responses): what the model sees."""
+        or input item of this credential's stored responses): what the model sees.
+
+        A reasoning item with an id and no ``encrypted_content`` must name a
+        stored item too: the API reads that reasoning from storage, so an id it
+        never kept (a ``store: false`` response, a forgotten one) is refused
+        as an unknown reference is. With ``encrypted_content`` the item carries
+        its reasoning and is taken as sent (Codex's ``store: false`` way).
+        Servers that keep no state (the ``stateless`` faults) look nothing up."""
         resolved, references = [], 0
         for item in items:
             if not is_item_reference(item):
+                if (_reads_stored_reasoning(item) and self.faults.stateless is None
+                        and self._store.find_item(credential, item["id"]) is None):
+                    raise errors.item_not_found(item["id"], request_store=store)
                 resolved.append(item)
                 continue
             found = self._store.find_item(credential, item["id"])
@@ -417,6 +427,12 @@ class ResponsesModel:
 def _credential_hash(credential: str) -> str:
     """What the log keeps of a credential: enough to tell tenants apart."""
     return hashlib.sha256(credential.encode()).hexdigest()[:8]
+
+
+def _reads_stored_reasoning(item: dict) -> bool:
+    """A reasoning item the API completes from storage: it has an id and no encrypted content."""
+    return (item.get("type") == "reasoning" and isinstance(item.get("id"), str) and bool(item["id"])
+            and not item.get("encrypted_content"))
 
 
 def _input_of(body: dict) -> list:
