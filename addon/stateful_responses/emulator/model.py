@@ -25,12 +25,12 @@ from typing import Any
 from . import errors
 from .conversation import CALL_PATTERN, Call, Conversation, ConversationAPI, canonical, context_digest, decide
 from .errors import APIError
-from .shapes import is_item_reference, listed_item, new_id, response_object
+from .shapes import (is_item_reference, item_list, listed_item, new_id, page_parameters, reads_stored_reasoning,
+                     response_object)
 from .store import BackgroundJob, ResponseStore, StoredResponse
 
 __all__ = ["APIError", "Faults", "ResponsesModel", "canonical", "context_digest"]
 
-LIST_ORDERS = ("asc", "desc")
 RESPONSES = "openai-responses"  # the log's ``protocol`` for this API
 # The faults the other APIs take; the rest are about Responses' own semantics.
 CONVERSATION_FAULTS = frozenset({"status", "reset", "html", "cut"})
@@ -237,7 +237,7 @@ class ResponsesModel:
         resolved, references = [], 0
         for item in items:
             if not is_item_reference(item):
-                if (_reads_stored_reasoning(item) and self.faults.stateless is None
+                if (reads_stored_reasoning(item) and self.faults.stateless is None
                         and self._store.find_item(credential, item["id"]) is None):
                     raise errors.item_not_found(item["id"], request_store=store)
                 resolved.append(item)
@@ -401,13 +401,7 @@ class ResponsesModel:
         generated from (a continuation's too), a page at a time."""
         with self._lock:
             stored = self._find(credential, response_id)
-            limit_text = query.get("limit", "20")
-            if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
-                raise errors.invalid_limit(limit_text)
-            limit = int(limit_text)
-            order = query.get("order", "desc")
-            if order not in LIST_ORDERS:
-                raise errors.invalid_order(order)
+            limit, order = page_parameters(query)
             items = stored.input_items if order == "asc" else stored.input_items[::-1]
             ids = [item["id"] for item in items]
             start, end = 0, len(items)
@@ -420,19 +414,12 @@ class ResponsesModel:
                 end = ids.index(query["before"])
             window = items[start:end]
             page = window[-limit:] if "before" in query and "after" not in query else window[:limit]
-            return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                    "last_id": page[-1]["id"] if page else None, "has_more": len(window) > len(page)}
+            return item_list(page, has_more=len(window) > len(page))
 
 
 def _credential_hash(credential: str) -> str:
     """What the log keeps of a credential: enough to tell tenants apart."""
     return hashlib.sha256(credential.encode()).hexdigest()[:8]
-
-
-def _reads_stored_reasoning(item: dict) -> bool:
-    """A reasoning item the API completes from storage: it has an id and no encrypted content."""
-    return (item.get("type") == "reasoning" and isinstance(item.get("id"), str) and bool(item["id"])
-            and not item.get("encrypted_content"))
 
 
 def _input_of(body: dict) -> list:
