@@ -30,9 +30,10 @@ def _given(body: dict, key: str, default: Any) -> Any:
 
 
 def response_object(body: dict, *, response_id: str, created_at: int, status: str, output: list,
-                    previous: Any, usage: dict | None, store: bool | None) -> dict:
+                    previous: Any, usage: dict | None, store: bool | None, conversation: str | None = None) -> dict:
     """The response object for ``body`` in ``status``. ``store=None`` leaves the
-    ``store`` field out, as servers that do not echo it do."""
+    ``store`` field out, as servers that do not echo it do. A response made in
+    a conversation names it (``{"id": …}``); any other has no such field."""
     service_tier = body.get("service_tier")
     response = {
         "id": response_id, "object": "response", "created_at": created_at, "status": status,
@@ -66,6 +67,8 @@ def response_object(body: dict, *, response_id: str, created_at: int, status: st
     }
     if store is not None:
         response["store"] = store
+    if conversation is not None:
+        response["conversation"] = {"id": conversation}
     return response
 
 
