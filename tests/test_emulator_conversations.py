@@ -364,6 +364,21 @@ def test_store_false_keeps_no_response_but_the_conversation_still_grows(emulator
     client.close()
 
 
+def test_a_conversations_reasoning_items_can_be_sent_back_by_id(emulator):
+    """Only the conversation keeps them here (the response had ``store: false``),
+    and that is enough for the API to read the reasoning from storage."""
+    client = sdk(emulator)
+    conversation = client.conversations.create()
+    response = client.responses.create(model="m", input="think", conversation=conversation.id, store=False,
+                                       reasoning={"effort": "low"})
+    reasoning = response.output[0].model_dump(exclude_unset=True)
+    assert reasoning["type"] == "reasoning" and "encrypted_content" not in reasoning
+    sent = [{"role": "user", "content": "think"}, reasoning, {"role": "user", "content": "more"}]
+    assert client.responses.create(model="m", input=sent, store=False).status == "completed"
+    assert records(emulator)[-1]["context"] == sent
+    client.close()
+
+
 def test_a_background_response_joins_when_it_completes(emulator):
     emulator.model.control({"background_delay_ms": 300})
     client = sdk(emulator)
@@ -465,7 +480,7 @@ def gist(item: dict) -> tuple:
             item.get("arguments"), item.get("output"))
 
 
-def agent_over(emu, client: openai.AsyncOpenAI, **settings) -> Agent:
+def agent_over(client: openai.AsyncOpenAI, **settings) -> Agent:
     return Agent(name="assistant", instructions="terse", tools=[get_weather],
                  model=OpenAIResponsesModel(model="gpt-test", openai_client=client),
                  model_settings=ModelSettings(**settings))
@@ -473,9 +488,10 @@ def agent_over(emu, client: openai.AsyncOpenAI, **settings) -> Agent:
 
 async def test_openai_agents_conversations_session_over_three_turns_with_a_tool(emulator):
     """The session keeps history in a conversation and sends it whole: every
-    model call sees exactly the conversation's items, then what this turn added."""
+    model call sees exactly the conversation's items, then what this turn added
+    (item for item; the SDK drops some ids it replays, and keeps the others)."""
     client = openai.AsyncOpenAI(base_url=emulator.url + "/v1", api_key="sk-a", max_retries=0)
-    agent = agent_over(emulator, client, reasoning=Reasoning(effort="low"))
+    agent = agent_over(client, reasoning=Reasoning(effort="low"))
     session = OpenAIConversationsSession(openai_client=client)
     for number, turn in enumerate(TURNS):
         seen = len(records(emulator))
@@ -487,6 +503,7 @@ async def test_openai_agents_conversations_session_over_three_turns_with_a_tool(
         assert all(call["status_code"] == 200 and call["conversation"] is None for call in calls)
         assert [gist(item) for item in calls[0]["context"]] == [gist(item) for item in stored_before] + [
             ("message", "user", turn, None, None, None, None)]
+        assert all(sent.get("id") in (None, kept["id"]) for sent, kept in zip(calls[0]["context"], stored_before))
         for earlier, later in itertools.pairwise(calls):  # a tool loop resends what came before, and its results
             assert later["context"][:len(earlier["context"])] == earlier["context"]
             added = later["context"][len(earlier["context"]):]
@@ -508,7 +525,7 @@ async def test_openai_agents_with_a_conversation_id_sends_only_new_items(emulato
     """``Runner.run(conversation_id=…)`` leaves the history to the API: each
     call sends what is new, and the model sees the conversation's items first."""
     client = openai.AsyncOpenAI(base_url=emulator.url + "/v1", api_key="sk-a", max_retries=0)
-    agent = agent_over(emulator, client)
+    agent = agent_over(client)
     conversation = await client.conversations.create()
     for turn in TURNS:
         seen = len(records(emulator))
