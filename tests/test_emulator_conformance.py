@@ -6,7 +6,9 @@ incomplete answers, streamed and not.
 
 Where OpenAI's API and the spec differ, the emulator follows the API;
 ``REAL_API_DIFFERENCES`` names each difference and a test below pins it, so
-none is skipped silently (docs/emulator.md explains them)."""
+none is skipped silently (docs/emulator.md explains them). What the spec does
+not define (OpenAI's Conversations API) is checked against the openai SDK's own
+pydantic types, strictly."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ import time
 import openresponses_types as spec
 import pytest
 from driver import TOOLS, httpx
-from pydantic import BaseModel, ValidationError
+from openai.types import conversations as sdk_conversations
+from openai.types.responses import response as sdk_response
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 REAL_API_DIFFERENCES = {
     "stream_ends_without_done": "The spec ends a stream with a literal `data: [DONE]`; OpenAI's Responses API ends it"
@@ -30,6 +34,13 @@ REAL_API_DIFFERENCES = {
                                  " input_items and cancel are the API's. GET and cancel answer a ResponseResource (as"
                                  " the spec's source paths say), listed input items are checked as the spec's items,"
                                  " and the list and delete envelopes as OpenAI's reference writes them.",
+    "conversations_beyond_the_spec": "The spec has neither the Conversations API nor a response's `conversation`"
+                                     " field. A response made in a conversation still validates as the spec's"
+                                     " ResponseResource; the field and the Conversations objects are checked against"
+                                     " the openai SDK's types, strictly.",
+    "empty_item_list_ids": "The openai SDK's ConversationItemList types first_id and last_id as strings; the API"
+                           " answers null for an empty list (captured live), as the emulator does, and the SDK's"
+                           " pager reads them as optional.",
 }
 
 EVENT_MODELS: dict[str, type[BaseModel]] = {
@@ -154,6 +165,16 @@ ERROR_CASES = {
     "deleting an unknown response": ("DELETE", "/v1/responses/resp_nope", None, "sk-a", 404),
     "cancelling an unknown response": ("POST", "/v1/responses/resp_nope/cancel", None, "sk-a", 404),
     "unknown URL": ("GET", "/v1/nothing", None, "sk-a", 404),
+    "unknown conversation": ("GET", "/v1/conversations/conv_nope", None, "sk-a", 404),
+    "unknown conversation's items": ("GET", "/v1/conversations/conv_nope/items", None, "sk-a", 404),
+    "a response in an unknown conversation": ("POST", "/v1/responses", {"model": "m", "input": "x",
+                                                                        "conversation": "conv_nope"}, "sk-a", 404),
+    "conversation with previous_response_id": ("POST", "/v1/responses", {
+        "model": "m", "input": "x", "conversation": "conv_nope", "previous_response_id": "resp_nope"}, "sk-a", 400),
+    "too many items for a conversation": ("POST", "/v1/conversations", {
+        "items": [{"role": "user", "content": "x"}] * 21}, "sk-a", 400),
+    "too much metadata for a conversation": ("POST", "/v1/conversations", {
+        "metadata": {f"k{n}": "v" for n in range(17)}}, "sk-a", 400),
 }
 
 
@@ -223,6 +244,57 @@ def test_a_streamed_background_response_conforms(emulator):
     assert types[-1] == "response.completed"
 
 
+# -- OpenAI's Conversations API, which the spec does not define -----------------
+
+
+def sdk_conforms(model: type[BaseModel], text: str) -> None:
+    """Strict against the openai SDK's own type: no coercion, every required field."""
+    model.model_validate_json(text, strict=True)
+
+
+CONVERSATION_ITEM = TypeAdapter(sdk_conversations.ConversationItem)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_in_a_conversation_conforms(emulator, stream):
+    conversation = request(emulator, "POST", "/v1/conversations", {}).json()
+    answer = request(emulator, "POST", "/v1/responses", {"model": "m", "input": "x", "stream": stream,
+                                                         "conversation": conversation["id"]})
+    if stream:
+        responses = [event["response"] for event in stream_conforms(answer.text) if "response" in event]
+    else:
+        conforms(spec.ResponseResource, answer.text)
+        responses = [answer.json()]
+    for response in responses:
+        sdk_conforms(sdk_response.Conversation, json.dumps(response["conversation"]))
+        assert response["conversation"] == {"id": conversation["id"]}
+
+
+def test_conversations_objects_conform_to_the_openai_sdk_types(emulator):
+    created = request(emulator, "POST", "/v1/conversations", {"metadata": {"k": "v"},
+                                                              "items": [{"role": "user", "content": "hello"}]})
+    sdk_conforms(sdk_conversations.Conversation, created.text)
+    path = f"/v1/conversations/{created.json()['id']}"
+    request(emulator, "POST", "/v1/responses", {"model": "m", "input": 'call:get_weather({"city": "Oslo"})',
+                                                "tools": TOOLS, "reasoning": {"effort": "low", "summary": "auto"},
+                                                "conversation": created.json()["id"]})
+    call = request(emulator, "GET", f"{path}/items").json()["data"][0]
+    added = request(emulator, "POST", f"{path}/items", {"items": [
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"},
+        {"type": "message", "role": "assistant", "content": "It is sunny."}]})
+    sdk_conforms(sdk_conversations.ConversationItemList, added.text)
+    listed = request(emulator, "GET", f"{path}/items?order=asc&include[]=reasoning.encrypted_content")
+    sdk_conforms(sdk_conversations.ConversationItemList, listed.text)
+    assert [item["type"] for item in listed.json()["data"]] == [
+        "message", "message", "reasoning", "function_call", "function_call_output", "message"]
+    for item in listed.json()["data"]:
+        CONVERSATION_ITEM.validate_json(request(emulator, "GET", f"{path}/items/{item['id']}").text, strict=True)
+    for answer in (request(emulator, "GET", path), request(emulator, "POST", path, {"metadata": {"k": "w"}}),
+                   request(emulator, "DELETE", f"{path}/items/{call['id']}")):
+        sdk_conforms(sdk_conversations.Conversation, answer.text)
+    sdk_conforms(sdk_conversations.ConversationDeletedResource, request(emulator, "DELETE", path).text)
+
+
 # -- where the emulator follows OpenAI's API rather than the spec ---------------
 
 
@@ -253,3 +325,19 @@ def test_reasoning_effort_minimal_is_echoed_as_the_api_does(emulator):
 def test_the_spec_defines_none_of_the_other_endpoints():
     assert "endpoints_beyond_the_spec" in REAL_API_DIFFERENCES
     assert not [name for name in dir(spec) if "Deleted" in name or "ItemList" in name]
+
+
+def test_the_spec_defines_no_conversations():
+    assert "conversations_beyond_the_spec" in REAL_API_DIFFERENCES
+    assert not [name for name in dir(spec) if "onversation" in name]
+    assert "conversation" not in spec.ResponseResource.model_fields
+
+
+def test_an_empty_item_list_has_null_ids_as_the_api_answers(emulator):
+    assert "empty_item_list_ids" in REAL_API_DIFFERENCES
+    conversation = request(emulator, "POST", "/v1/conversations", {}).json()
+    answer = request(emulator, "GET", f"/v1/conversations/{conversation['id']}/items")
+    assert (answer.json()["first_id"], answer.json()["last_id"]) == (None, None)
+    with pytest.raises(ValidationError) as refused:
+        sdk_conforms(sdk_conversations.ConversationItemList, answer.text)
+    assert {error["loc"] for error in refused.value.errors()} == {("first_id",), ("last_id",)}

@@ -45,6 +45,16 @@ def test_an_unstored_response_is_not_found(emulator):
                                        "type": "invalid_request_error", "param": None, "code": None}}
 
 
+@pytest.mark.parametrize("how", ["unknown", "forgotten", "all forgotten"])
+def test_an_unknown_or_forgotten_response_is_not_found(emulator, how):
+    response_id = "resp_never_made" if how == "unknown" else create(emulator, input="x")["id"]
+    emulator.model.control({"forget": [response_id]} if how == "forgotten" else {"forget_all": how == "all forgotten"})
+    answer = request(emulator, "GET", f"/v1/responses/{response_id}")
+    assert answer.status_code == 404
+    assert answer.json() == {"error": {"message": f"Response with id '{response_id}' not found.",
+                                       "type": "invalid_request_error", "param": None, "code": None}}
+
+
 @pytest.mark.parametrize("method,suffix", [("GET", ""), ("DELETE", ""), ("GET", "/input_items"),
                                            ("POST", "/cancel")])
 def test_another_credentials_response_is_not_found(emulator, method, suffix):
@@ -179,3 +189,66 @@ def test_only_this_credentials_stored_items_resolve(emulator, how):
     answer = request(emulator, "POST", "/v1/responses", {"model": "m", "input": [{"id": first["output"][0]["id"]}]},
                      key="sk-b" if how == "another credential" else "sk-a")
     assert answer.status_code == 404
+
+
+# -- reasoning items read from storage ---------------------------------------------
+
+
+def reasoning_turn(emu, store: bool = True, encrypted: bool = False) -> dict:
+    """A first turn whose output starts with a reasoning item."""
+    return create(emu, input="think", store=store, reasoning={"effort": "low"},
+                  include=["reasoning.encrypted_content"] if encrypted else [])
+
+
+def test_a_stored_reasoning_item_sent_back_by_id_is_accepted_as_sent(emulator):
+    first = reasoning_turn(emulator)
+    reasoning = first["output"][0]
+    assert reasoning["type"] == "reasoning" and "encrypted_content" not in reasoning
+    sent = [{"role": "user", "content": "think"}, reasoning, first["output"][1], {"role": "user", "content": "more"}]
+    create(emulator, input=sent, reasoning={"effort": "low"})
+    assert last_record(emulator)["context"] == sent and last_record(emulator)["references"] == 0
+
+
+def test_the_openai_sdk_sends_stored_reasoning_back_and_it_is_accepted(emulator):
+    client = openai.OpenAI(base_url=emulator.url + "/v1", api_key="sk-a", max_retries=0)
+    first = client.responses.create(model="m", input="think", reasoning={"effort": "low"})
+    assert first.output[0].type == "reasoning"
+    second = client.responses.create(model="m", reasoning={"effort": "low"},
+                                     input=[{"role": "user", "content": "think"}, *first.output,
+                                            {"role": "user", "content": "more"}])
+    assert second.status == "completed"
+    assert last_record(emulator)["context"][1]["id"] == first.output[0].id
+    client.close()
+
+
+@pytest.mark.parametrize("how", ["store false", "forgotten", "another credential"])
+def test_a_reasoning_item_the_api_never_kept_is_not_found(emulator, how):
+    first = reasoning_turn(emulator, store=how != "store false")
+    if how == "forgotten":
+        emulator.model.control({"forget": [first["id"]]})
+    reasoning = first["output"][0]
+    answer = request(emulator, "POST", "/v1/responses",
+                     {"model": "m", "store": False, "input": [{"role": "user", "content": "think"}, reasoning,
+                                                             {"role": "user", "content": "more"}]},
+                     key="sk-b" if how == "another credential" else "sk-a")
+    assert answer.status_code == 404
+    assert answer.json() == {"error": {
+        "message": f"Item with id '{reasoning['id']}' not found. Items are not persisted when `store` is set to"
+                   " false. Try again with `store` set to true, or remove this item from your input.",
+        "type": "invalid_request_error", "param": "input", "code": None}}
+
+
+def test_a_reasoning_item_with_encrypted_content_is_taken_without_lookup(emulator):
+    first = reasoning_turn(emulator, store=False, encrypted=True)
+    reasoning = first["output"][0]
+    assert reasoning["encrypted_content"].startswith("enc_")
+    sent = [{"role": "user", "content": "think"}, reasoning, {"role": "user", "content": "more"}]
+    create(emulator, input=sent, store=False)
+    assert last_record(emulator)["context"] == sent
+
+
+def test_a_stateless_server_looks_no_reasoning_item_up(emulator):
+    emulator.model.control({"stateless": "ignore"})
+    sent = [{"type": "reasoning", "id": "rs_never_stored", "summary": []}, {"role": "user", "content": "x"}]
+    create(emulator, input=sent)
+    assert last_record(emulator)["context"] == sent

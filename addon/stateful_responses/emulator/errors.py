@@ -37,8 +37,48 @@ def unparsable_json() -> APIError:
                          " not valid JSON.)")
 
 
+def missing_parameter(param: str) -> APIError:
+    return APIError(400, f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
+
+
 def missing_model() -> APIError:
-    return APIError(400, "Missing required parameter: 'model'.", param="model", code="missing_required_parameter")
+    return missing_parameter("model")
+
+
+def unknown_parameter(param: str) -> APIError:
+    """What the API answers a field it does not know."""
+    return APIError(400, f"Unknown parameter: '{param}'.", param=param, code="unknown_parameter")
+
+
+def invalid_type(param: str, expected: str, value: object) -> APIError:
+    return APIError(400, f"Invalid type for '{param}': expected {expected}, but got {_json_type(value)} instead.",
+                    param=param, code="invalid_type")
+
+
+def _json_type(value: object) -> str:
+    """A JSON value's type as the API's messages name it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a decimal number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
+
+
+def array_too_long(param: str, maximum: int, length: int) -> APIError:
+    return APIError(400, f"Invalid '{param}': array too long. Expected an array with maximum length {maximum},"
+                         f" but got an array with length {length} instead.", param=param, code="array_above_max_length")
+
+
+def too_many_properties(param: str, maximum: int, count: int) -> APIError:
+    return APIError(400, f"Invalid '{param}': too many properties. Expected an object with at most {maximum}"
+                         f" properties, but got an object with {count} properties instead.",
+                    param=param, code="object_above_max_properties")
 
 
 def invalid_input_type() -> APIError:
@@ -60,6 +100,31 @@ def item_not_found(item_id: object, param: str = "input", request_store: bool = 
     a hint when the request itself was sent with ``store: false``."""
     hint = "" if request_store else NOT_PERSISTED_HINT
     return APIError(404, f"Item with id '{item_id}' not found.{hint}", param=param)
+
+
+def conversation_not_found(conversation_id: object) -> APIError:
+    return APIError(404, f"Conversation with id '{conversation_id}' not found.")
+
+
+def conversation_with_previous_response() -> APIError:
+    """``conversation`` and ``previous_response_id`` together, worded (names cut
+    short) exactly as the API words it."""
+    return APIError(400, "Mutually exclusive parameters: ''. Ensure you are only providing one of: 'pre..._id' or"
+                         " 'conversation'.", code="mutually_exclusive_parameters")
+
+
+def no_item_found(item_id: object, param: str | None = None) -> APIError:
+    """The Conversations API's own wording for an item id it does not hold."""
+    return APIError(404, f"No item found with id '{item_id}'", param=param)
+
+
+def item_already_in_conversation() -> APIError:
+    return APIError(400, "Item already in conversation", param="items", code="item_already_in_conversation")
+
+
+def invalid_item() -> APIError:
+    """A conversation item the API cannot keep (a reasoning item with neither id nor encrypted content)."""
+    return APIError(400, "Invalid item", param="item", code="invalid_item")
 
 
 def not_cancellable() -> APIError:

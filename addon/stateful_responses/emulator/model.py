@@ -5,7 +5,9 @@ This is an oracle for the addon, so it follows the real API (FACTS.md and
 docs/emulator.md), not the addon: responses are stored per credential;
 ``previous_response_id`` makes the context the stored chain (every input and
 output before) plus this input; ``instructions`` and ``tools`` are not
-inherited; unknown or unstored parents get the API's own error body.
+inherited; unknown or unstored parents get the API's own error body. A
+``conversation`` (openai_conversations.py) starts the context with its items
+and takes the response's input and output items when it completes.
 
 WebSocket mode (``create_on_socket``) shares that core: a socket keeps its most
 recent response in memory (``SocketSession``), so continuing from it needs no
@@ -30,12 +32,20 @@ from typing import Any
 from . import errors
 from .conversation import CALL_PATTERN, Call, Conversation, ConversationAPI, canonical, context_digest, decide
 from .errors import APIError
-from .shapes import is_item_reference, listed_item, new_id, response_object
+from .openai_conversations import ConversationsCall, OpenAIConversations, StoredConversation
+from .shapes import (
+    is_item_reference,
+    item_list,
+    listed_item,
+    new_id,
+    page_parameters,
+    reads_stored_reasoning,
+    response_object,
+)
 from .store import BackgroundJob, ResponseStore, StoredResponse
 
 __all__ = ["APIError", "Faults", "ResponsesModel", "SocketSession", "canonical", "context_digest"]
 
-LIST_ORDERS = ("asc", "desc")
 RESPONSES = "openai-responses"  # the log's ``protocol`` for this API
 # The faults the other APIs take; the rest are about Responses' own semantics.
 CONVERSATION_FAULTS = frozenset({"status", "reset", "html", "cut"})
@@ -59,6 +69,7 @@ class Faults:
     and how fast the emulator reads, answers and finishes background work."""
 
     stateless: str | None = None  # "reject" (llama.cpp) | "ignore" (Ollama)
+    conversations: str | None = None  # no Conversations API: "absent" (refuses the field) | "ignore" (drops it)
     echo_store: bool = True  # False: answers omit the ``store`` field
     echo_previous: bool = True  # False: answers omit the ``previous_response_id`` field
     refuse_store: bool = False  # a zero-data-retention organization
@@ -87,8 +98,8 @@ class Faults:
         return None
 
 
-SETTABLE = ("stateless", "echo_store", "echo_previous", "refuse_store", "forget_probability", "slow_ms", "think_ms",
-            "gzip", "background_delay_ms", "read_rate_bytes_per_s", "websocket", "ws_lifetime_s")
+SETTABLE = ("stateless", "conversations", "echo_store", "echo_previous", "refuse_store", "forget_probability",
+            "slow_ms", "think_ms", "gzip", "background_delay_ms", "read_rate_bytes_per_s", "websocket", "ws_lifetime_s")
 
 
 @dataclass
@@ -109,6 +120,7 @@ class ResponsesModel:
         self._rng = random.Random(seed)
         self.faults = Faults()
         self._store = ResponseStore()
+        self._conversations = OpenAIConversations(self._find_item)
         self._jobs: dict[tuple[str, str], StoredResponse] = {}  # background responses not finished yet
         self.log: list[dict] = []
 
@@ -118,6 +130,7 @@ class ResponsesModel:
         with self._lock:
             if command.get("reset"):  # first: settings in the same command apply to the fresh state
                 self._store.clear()
+                self._conversations.clear()
                 self._jobs.clear()
                 self.log.clear()
                 self.faults = Faults()
@@ -226,12 +239,14 @@ class ResponsesModel:
         generate = socket is None or body.get("generate") is not False  # a socket's warm-up generates nothing
         f = self.faults
         record.update(input_items=len(items), previous_response_id=previous, stream=streamed,
-                      store=store, instructions=body.get("instructions"), model=model, background=background)
+                      store=store, instructions=body.get("instructions"), model=model, background=background,
+                      conversation=_conversation_id(body.get("conversation")))
         if socket is not None:
             record["generate"] = generate
             if background:
                 raise errors.background_over_websocket()
 
+        conversation = self._conversation_of(credential, body, previous)
         if f.refuse_store and body.get("store") is True:
             raise APIError(400, "Store must be false for this organization due to Zero Data Retention.", param="store")
         parent = None
@@ -259,31 +274,56 @@ class ResponsesModel:
                 raise errors.server_error()
             record["error"] = dict(errors.STREAM_ERROR)
 
-        chain = parent.chain if parent else []
-        context = chain + items
-        record.update(continued=bool(chain), references=references, context=context,
+        before = parent.chain if parent else list(conversation.items) if conversation else []
+        context = before + items
+        record.update(continued=parent is not None, references=references, context=context,
                       context_digest=context_digest(context))
-        listed = (parent.input_items + parent.response["output"] if parent else []) + [listed_item(i) for i in items]
+        own_items = [listed_item(i) for i in items]
+        listed = (parent.input_items + parent.response["output"] if parent else before) + own_items
+        conversation_id = conversation.id if conversation else None
         response_id, created_at = new_id("resp"), int(time.time())
         record["response_id"] = response_id
         if background:
             response = response_object(body, response_id=response_id, created_at=created_at, status="queued",
-                                       output=[], previous=previous, usage=None, store=self._store_echo(store))
-            job = BackgroundJob(body, context, fault, record, time.monotonic(), f.background_delay_ms / 1000)
+                                       output=[], previous=previous, usage=None, store=self._store_echo(store),
+                                       conversation=conversation_id)
+            job = BackgroundJob(body, context, fault, record, time.monotonic(), f.background_delay_ms / 1000,
+                                conversation_id, own_items)
             stored = StoredResponse(response, chain=[], input_items=listed, continuable=False, job=job)
             self._store.put(credential, stored)
             self._jobs[(credential, response_id)] = stored
             record.update(stored=False, output=[])
             return response, fault
-        response = self._answer(body, response_id, created_at, context, fault, generate)
+        response = self._answer(body, response_id, created_at, context, fault, conversation_id, generate)
         completed = response["status"] == "completed"
         keep = self._stores(store) and completed
         if self._stores(store):
             self._store.put(credential, StoredResponse(response, context + response["output"], listed, keep))
         if socket is not None:  # the socket remembers its latest response, stored or not, if it completed
             socket.latest = StoredResponse(response, context + response["output"], listed, True) if completed else None
+        _append_completed(conversation, own_items, response)
         record.update(stored=keep, output=response["output"])
         return response, fault
+
+    def _conversation_of(self, credential: str, body: dict, previous: Any) -> StoredConversation | None:
+        """The conversation a create names, as this upstream reads the field:
+        OpenAI's API (with ``previous_response_id`` it is a 400), one without the
+        API (``absent``: an unknown field), or one that drops it (``ignore``)."""
+        named = body.get("conversation")
+        if named is None or self.faults.conversations == "ignore":
+            return None
+        if self.faults.conversations == "absent":
+            raise errors.unknown_parameter("conversation")
+        if previous is not None:
+            raise errors.conversation_with_previous_response()
+        conversation_id = _conversation_id(named)
+        if not isinstance(conversation_id, str):
+            raise errors.invalid_type("conversation", "one of a string or an object", named)
+        return self._conversations.get(credential, conversation_id)
+
+    def _find_item(self, credential: str, item_id: str) -> dict | None:
+        """A stored item of this credential: a continuable response's, or a conversation's."""
+        return self._store.find_item(credential, item_id) or self._conversations.find_item(credential, item_id)
 
     def _stores(self, store: Any) -> bool:
         """Whether this upstream keeps what a request with ``store`` asks it to."""
@@ -314,13 +354,23 @@ class ResponsesModel:
 
     def _resolve_references(self, credential: str, items: list, store: bool) -> tuple[list, int]:
         """Each item reference replaced by the stored item it names (an output
-        or input item of this credential's stored responses): what the model sees."""
+        or input item of this credential's stored responses): what the model sees.
+
+        A reasoning item with an id and no ``encrypted_content`` must name a
+        stored item too: the API reads that reasoning from storage, so an id it
+        never kept (a ``store: false`` response, a forgotten one) is refused
+        as an unknown reference is. With ``encrypted_content`` the item carries
+        its reasoning and is taken as sent (Codex's ``store: false`` way).
+        Servers that keep no state (the ``stateless`` faults) look nothing up."""
         resolved, references = [], 0
         for item in items:
             if not is_item_reference(item):
+                if (reads_stored_reasoning(item) and self.faults.stateless is None
+                        and self._find_item(credential, item["id"]) is None):
+                    raise errors.item_not_found(item["id"], request_store=store)
                 resolved.append(item)
                 continue
-            found = self._store.find_item(credential, item["id"])
+            found = self._find_item(credential, item["id"])
             if found is None:
                 raise errors.item_not_found(item["id"], request_store=store)
             resolved.append(found)
@@ -328,7 +378,7 @@ class ResponsesModel:
         return resolved, references
 
     def _answer(self, body: dict, response_id: str, created_at: int, context: list, fault: dict | None,
-                generate: bool = True) -> dict:
+                conversation_id: str | None, generate: bool = True) -> dict:
         """The finished response to ``body`` over ``context``, shaped by a fault;
         without output when it is not to ``generate``."""
         encoded = canonical(context)
@@ -342,7 +392,7 @@ class ResponsesModel:
         usage = _usage(len(encoded), output)
         response = response_object(body, response_id=response_id, created_at=created_at, status=status,
                                    output=output, previous=body.get("previous_response_id"), usage=usage,
-                                   store=self._store_echo(body.get("store", True)))
+                                   store=self._store_echo(body.get("store", True)), conversation=conversation_id)
         if not self.faults.echo_previous:
             del response["previous_response_id"]
         return response
@@ -428,12 +478,14 @@ class ResponsesModel:
             status = job.status_at(now)
             if status == "finished":
                 del self._jobs[key]
-                self._finish(stored, job)
+                self._finish(credential, stored, job)
             elif status != stored.response["status"]:
                 stored.response = {**stored.response, "status": status}
 
-    def _finish(self, stored: StoredResponse, job: BackgroundJob) -> None:
-        response = self._answer(job.body, stored.response["id"], stored.response["created_at"], job.context, job.fault)
+    def _finish(self, credential: str, stored: StoredResponse, job: BackgroundJob) -> None:
+        response = self._answer(job.body, stored.response["id"], stored.response["created_at"], job.context, job.fault,
+                                job.conversation_id)
+        _append_completed(self._conversations.find(credential, job.conversation_id), job.own_items, response)
         stored.response = response
         stored.chain = job.context + response["output"]
         stored.continuable = self._stores(job.body.get("store", True)) and response["status"] == "completed"
@@ -475,18 +527,22 @@ class ResponsesModel:
                 stored.response = {**stored.response, "status": "cancelled"}
             return stored.response
 
+    def conversations_endpoint(self, endpoint: str, credential: str, call: ConversationsCall) -> dict:
+        """One endpoint of the Conversations API (the ``OpenAIConversations``
+        method of that name) for ``credential``. Background responses are brought
+        up to date first, so a finished one has joined its conversation."""
+        with self._lock:
+            if not credential:
+                raise errors.missing_api_key()
+            self._advance_background()
+            return getattr(self._conversations, endpoint)(credential, call)
+
     def list_input_items(self, credential: str, response_id: str, query: dict[str, str]) -> dict:
         """``GET /responses/{id}/input_items``: every item the response was
         generated from (a continuation's too), a page at a time."""
         with self._lock:
             stored = self._find(credential, response_id)
-            limit_text = query.get("limit", "20")
-            if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
-                raise errors.invalid_limit(limit_text)
-            limit = int(limit_text)
-            order = query.get("order", "desc")
-            if order not in LIST_ORDERS:
-                raise errors.invalid_order(order)
+            limit, order = page_parameters(query)
             items = stored.input_items if order == "asc" else stored.input_items[::-1]
             ids = [item["id"] for item in items]
             start, end = 0, len(items)
@@ -499,8 +555,19 @@ class ResponsesModel:
                 end = ids.index(query["before"])
             window = items[start:end]
             page = window[-limit:] if "before" in query and "after" not in query else window[:limit]
-            return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                    "last_id": page[-1]["id"] if page else None, "has_more": len(window) > len(page)}
+            return item_list(page, has_more=len(window) > len(page))
+
+
+def _append_completed(conversation: StoredConversation | None, own_items: list, response: dict) -> None:
+    """A completed response's input items, then its output items, join its
+    conversation in one step (the caller holds the model's lock)."""
+    if conversation is not None and response["status"] == "completed":
+        conversation.items.extend(own_items + response["output"])
+
+
+def _conversation_id(named: Any) -> Any:
+    """The id in a ``conversation`` field: the id itself or ``{"id": …}``."""
+    return named.get("id") if isinstance(named, dict) else named
 
 
 def _credential_hash(credential: str) -> str:

@@ -9,6 +9,10 @@ for tests and the demo.
   ``POST   /v1/responses/{id}/cancel``         cancel a background response
   ``GET    /v1/responses`` + ``Upgrade: websocket``  WebSocket mode (websocket.py)
 
+  ``POST   /v1/conversations``                 OpenAI's Conversations API (openai_conversations.py):
+  ``GET``, ``POST``, ``DELETE /v1/conversations/{id}``, ``POST``, ``GET /v1/conversations/{id}/items``,
+  ``GET``, ``DELETE /v1/conversations/{id}/items/{item_id}``
+
   ``POST   /v1/chat/completions``              OpenAI Chat Completions (chat.py)
   ``POST   /v1/messages``                      Anthropic Messages (anthropic.py)
   ``POST   /v1beta/models/{model}:generateContent``, ``…:streamGenerateContent``  Gemini (gemini.py)
@@ -42,6 +46,7 @@ from .conversation import Call, ConversationAPI
 from .errors import APIError
 from .gemini import GenerateContent
 from .model import ResponsesModel
+from .openai_conversations import ConversationsCall
 from .sse import TERMINAL_EVENT, background_events, encode_event, error_events, sse_events, wants_obfuscation
 from .websocket import ResponsesSocket
 
@@ -52,6 +57,14 @@ CONVERSATION_ROUTES: tuple[tuple[re.Pattern, ConversationAPI], ...] = (
     (re.compile(r"^/v1(?:beta|alpha)?/models/(?P<model>[^/:]+):(?P<method>generateContent|streamGenerateContent)$"),
      GenerateContent()),
 )
+OPENAI_CONVERSATIONS_ROUTE = re.compile(
+    r"^(?:/v1)?/conversations(?:/(?P<conversation>[^/]+)(?P<items>/items(?:/(?P<item>[^/]+))?)?)?/?$")
+# (method, what the path names) -> the OpenAIConversations method that answers it
+OPENAI_CONVERSATIONS_ENDPOINTS = {
+    ("POST", "conversations"): "create", ("GET", "conversation"): "retrieve", ("POST", "conversation"): "update",
+    ("DELETE", "conversation"): "delete", ("POST", "items"): "add_items", ("GET", "items"): "list_items",
+    ("GET", "item"): "retrieve_item", ("DELETE", "item"): "delete_item",
+}
 HTML_PAGE = b"<html><body>502 Bad Gateway</body></html>"
 BACKGROUND_POLL_S = 0.01  # how often a streamed background response looks for progress
 PACED_READ_INTERVAL_S = 0.02  # a paced body is read in chunks of this many seconds' worth
@@ -155,13 +168,36 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(HTML_PAGE)
 
+    def _openai_conversations(self, method: str, body: bytes) -> bool:
+        """Answer a request to the Conversations API; False when the path is
+        not one. An upstream without the API (the ``conversations`` fault) has
+        no such paths."""
+        url = urlsplit(self.path)
+        match = OPENAI_CONVERSATIONS_ROUTE.match(url.path)
+        if not match:
+            return False
+        names = "item" if match["item"] else "items" if match["items"] else \
+            "conversation" if match["conversation"] else "conversations"
+        endpoint = OPENAI_CONVERSATIONS_ENDPOINTS.get((method, names))
+        try:
+            if endpoint is None or self.model.faults.conversations is not None:
+                raise errors.invalid_url(method, self.path)
+            call = ConversationsCall(match["conversation"] or "", match["item"] or "",
+                                     _parsed(body) if body else {}, tuple(parse_qsl(url.query)))
+            self._send_json(200, self.model.conversations_endpoint(endpoint, self._credential(), call))
+        except APIError as e:
+            self._send_error(e)
+        return True
+
     def do_GET(self) -> None:
         if self.headers.get("upgrade", "").lower() == "websocket" and ROUTE.match(urlsplit(self.path).path):
             self._upgrade()
             return
-        self._read_body()
+        body = self._read_body()
         if self.path == "/_emulator/log":
             self._send_json(200, self.model.snapshot_log())
+            return
+        if self._openai_conversations("GET", body):
             return
         try:
             route = self._route("GET", "response", "input_items")
@@ -195,7 +231,8 @@ class _Handler(BaseHTTPRequestHandler):
                 ws.serve()
 
     def do_DELETE(self) -> None:
-        self._read_body()
+        if self._openai_conversations("DELETE", self._read_body()):
+            return
         try:
             route = self._route("DELETE", "response")
             self._send_json(200, self.model.delete(self._credential(), route.response_id))
@@ -207,6 +244,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(200, self.model.control(json.loads(self._read_body() or b"{}")))
             return
         body = self._read_body(self.model.faults.read_rate_bytes_per_s)
+        if self._openai_conversations("POST", body):
+            return
         url = urlsplit(self.path)
         try:
             for pattern, api in CONVERSATION_ROUTES:

@@ -8,12 +8,15 @@ import time
 import uuid
 from typing import Any
 
+from . import errors
+
 # The prefixes OpenAI's ids carry; an input item the client sent without an id
 # gets one when the API stores it (``fco`` is the convention clients copy).
 ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
                   "custom_tool_call": "ctc", "custom_tool_call_output": "ctco", "compaction": "cmp"}
 ITEMS_WITH_STATUS = frozenset({"message", "function_call", "function_call_output"})
 SERVICE_TIERS = frozenset({"default", "flex", "priority", "scale"})  # a request's "auto" is answered "default"
+LIST_ORDERS = ("asc", "desc")
 
 
 def new_id(prefix: str) -> str:
@@ -27,9 +30,10 @@ def _given(body: dict, key: str, default: Any) -> Any:
 
 
 def response_object(body: dict, *, response_id: str, created_at: int, status: str, output: list,
-                    previous: Any, usage: dict | None, store: bool | None) -> dict:
+                    previous: Any, usage: dict | None, store: bool | None, conversation: str | None = None) -> dict:
     """The response object for ``body`` in ``status``. ``store=None`` leaves the
-    ``store`` field out, as servers that do not echo it do."""
+    ``store`` field out, as servers that do not echo it do. A response made in
+    a conversation names it (``{"id": …}``); any other has no such field."""
     service_tier = body.get("service_tier")
     response = {
         "id": response_id, "object": "response", "created_at": created_at, "status": status,
@@ -63,6 +67,8 @@ def response_object(body: dict, *, response_id: str, created_at: int, status: st
     }
     if store is not None:
         response["store"] = store
+    if conversation is not None:
+        response["conversation"] = {"id": conversation}
     return response
 
 
@@ -97,6 +103,30 @@ def is_item_reference(item: dict) -> bool:
     if item.get("type") == "item_reference":
         return True
     return item.get("type") is None and "id" in item and "role" not in item
+
+
+def reads_stored_reasoning(item: dict) -> bool:
+    """A reasoning item the API completes from storage: it has an id and no encrypted content."""
+    return (item.get("type") == "reasoning" and isinstance(item.get("id"), str) and bool(item["id"])
+            and not item.get("encrypted_content"))
+
+
+def page_parameters(query: dict[str, str]) -> tuple[int, str]:
+    """A list endpoint's ``limit`` (1–100, default 20) and ``order`` (default
+    ``desc``), refused as the API refuses them."""
+    limit_text = query.get("limit", "20")
+    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+        raise errors.invalid_limit(limit_text)
+    order = query.get("order", "desc")
+    if order not in LIST_ORDERS:
+        raise errors.invalid_order(order)
+    return int(limit_text), order
+
+
+def item_list(page: list, has_more: bool) -> dict:
+    """The API's list envelope; an empty page has null ids."""
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": has_more}
 
 
 def listed_item(item: dict) -> dict:

@@ -19,6 +19,8 @@ class BackgroundJob:
     record: dict  # its line in the log, completed when it finishes
     started: float  # time.monotonic()
     delay: float  # seconds
+    conversation_id: str | None = None  # the conversation it joins when it completes
+    own_items: list = field(default_factory=list)  # its input items as listed: what it adds to the conversation
 
     def status_at(self, now: float) -> str:
         if now < self.started + self.delay / 2:
