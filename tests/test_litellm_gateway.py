@@ -1,7 +1,8 @@
 """LiteLLM's proxy (tests/litellm-requirements.txt) as a gateway, the real openai
 SDK in front of it and the emulator behind it, no addon in between: what it does
-to ``/v1/responses`` on each route, as FACTS.md says it (the LiteLLM bullet).
-The addon may sit in front of such a gateway, so these are the answers it sees.
+to ``/v1/responses`` on each route, the facts of FACTS.md's LiteLLM bullet and a
+few it does not state. The addon may sit in front of such a gateway: these are
+the answers it would see.
 
 - Native pass-through (``openai/<m>``): the emulator stores; every response id
   the client sees is LiteLLM's own, long and opaque, and LiteLLM turns it back
@@ -10,7 +11,9 @@ The addon may sit in front of such a gateway, so these are the answers it sees.
 - Bridged onto chat completions (``openai/chat_completions/<m>``, and
   ``custom_openai/<m>``, a provider without a Responses API): without a
   database nothing is stored, yet ``store`` repeats the request's and a
-  continuation is answered 200 with its history silently dropped."""
+  continuation is answered 200 with its history silently dropped.
+- Streams on both end with ``data: [DONE]``, which neither OpenAI nor the
+  emulator sends on ``/responses``."""
 
 from __future__ import annotations
 
@@ -21,9 +24,10 @@ import openai
 import pytest
 from litellm_server import UPSTREAM_MODEL
 
-# LiteLLM's response id: its provider, deployment and the upstream's id, sealed with
-# the master key, url-safe base64 without padding (a new string on every answer).
-LITELLM_ID = re.compile(r"resp_[A-Za-z0-9_-]{100,}")
+# LiteLLM's response id: the provider, deployment and upstream id, with the key's user
+# and team, sealed (XSalsa20-Poly1305, random nonce) with a key derived from the master
+# key, in url-safe base64: a new string on every answer, even for the same response.
+LITELLM_ID = re.compile(r"resp_[A-Za-z0-9_-]{100,}={0,2}")
 UPSTREAM_ID = re.compile(r"resp_[0-9a-f]{32}")
 CHAT_ID = re.compile(r"chatcmpl-\w+")
 
