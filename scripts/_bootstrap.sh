@@ -3,6 +3,7 @@
 #   VENV      where it lives (default: .venv in the repository)
 #   PYTHON    the interpreter that creates it (default: python3)
 #   MITMPROXY a pip requirement for mitmproxy (default: mitmproxy>=11)
+#   WITH_LITELLM=1 also installs LiteLLM's proxy (scripts/install-litellm)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
@@ -46,5 +47,12 @@ PY
         || { echo "installation into $VENV failed" >&2; exit 1; }
     rm -f "$VENV"/.installed-*
     touch "$STAMP"
+fi
+# LiteLLM's proxy, for its gateway tests (scripts/test asks with WITH_LITELLM=1): a venv
+# of its own, installed once. In CI a failed install fails the setup; elsewhere those
+# tests are skipped.
+if [ "${WITH_LITELLM:-}" = 1 ] && ! "$ROOT/scripts/install-litellm"; then
+    [ "${CI:-}" = true ] && exit 1
+    echo "LiteLLM could not be installed: tests/test_litellm_gateway.py will be skipped" >&2
 fi
 export PATH="$VENV/bin:$PATH"

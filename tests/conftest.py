@@ -1,6 +1,6 @@
-"""Fixtures: the emulator in-process, and a real mitmdump with the addon between
-it and a client. Everything binds 127.0.0.1 and is stopped even when a test
-fails."""
+"""Fixtures: the emulator in-process, a real mitmdump with the addon between
+it and a client, and other real servers (redis-server, LiteLLM's proxy).
+Everything binds 127.0.0.1 and is stopped even when a test fails."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 
 import pytest
 from harness import start_mitmdump
+from litellm_server import litellm_gateway  # noqa: F401 (a fixture: a real LiteLLM proxy in front of the emulator)
 from redis_server import redis_server  # noqa: F401 (a fixture: a real redis-server on loopback)
 from stateful_responses.emulator import Emulator
 
@@ -44,6 +45,6 @@ def proxy(emulator, start_proxy):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "start_proxy" in getattr(item, "fixturenames", ()) or "proxy" in getattr(item, "fixturenames", ()):
+        if {"start_proxy", "proxy", "litellm_gateway"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
 
