@@ -8,7 +8,8 @@ import os
 
 import pytest
 from harness import start_mitmdump
-from litellm_server import litellm_gateway  # noqa: F401 (a fixture: a real LiteLLM proxy in front of the emulator)
+from litellm_server import fresh_emulator, litellm_gateway  # noqa: F401 (fixtures: a real LiteLLM proxy in front of
+# the emulator)
 from redis_server import redis_server  # noqa: F401 (a fixture: a real redis-server on loopback)
 from stateful_responses.emulator import Emulator
 

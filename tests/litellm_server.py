@@ -128,9 +128,31 @@ def start_litellm_gateway(upstream: str, directory: Path) -> LiteLLMGateway:
     return gateway
 
 
-@pytest.fixture
-def litellm_gateway(emulator, tmp_path):
-    """LiteLLM's proxy with the emulator behind each of its routes."""
-    gateway = start_litellm_gateway(emulator.url, tmp_path / "litellm")
+@pytest.fixture(scope="module")
+def litellm_gateway(emulator, tmp_path_factory):
+    """LiteLLM's proxy with the emulator behind each of its routes, one per
+    test module (it takes about 12 s to start): a module using it makes its
+    ``emulator`` module-scoped too (``module_emulator`` below)."""
+    gateway = start_litellm_gateway(emulator.url, tmp_path_factory.mktemp("litellm"))
     yield gateway
     gateway.stop()
+
+
+def module_emulator():
+    """The ``emulator`` fixture of a test module that runs LiteLLM: one per
+    module, reset before each test (``fresh_emulator``)."""
+    from stateful_responses.emulator import Emulator
+
+    @pytest.fixture(scope="module")
+    def emulator():
+        with Emulator() as emu:
+            yield emu
+
+    return emulator
+
+
+@pytest.fixture
+def fresh_emulator(emulator):
+    """An empty log and store, and no faults, for each test."""
+    emulator.model.control({"reset": True})
+    return emulator

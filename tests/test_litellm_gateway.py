@@ -22,7 +22,7 @@ import re
 
 import openai
 import pytest
-from litellm_server import UPSTREAM_MODEL
+from litellm_server import UPSTREAM_MODEL, module_emulator
 
 # LiteLLM's response id: the provider, deployment and upstream id, with the key's user
 # and team, sealed (XSalsa20-Poly1305, random nonce) with a key derived from the master
@@ -32,8 +32,11 @@ UPSTREAM_ID = re.compile(r"resp_[0-9a-f]{32}")
 CHAT_ID = re.compile(r"chatcmpl-\w+")
 
 
+emulator = module_emulator()
+
+
 @pytest.fixture
-def client(litellm_gateway):
+def client(litellm_gateway, fresh_emulator):
     return openai.OpenAI(base_url=litellm_gateway.base_url, api_key=litellm_gateway.master_key, max_retries=0)
 
 
