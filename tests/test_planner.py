@@ -456,8 +456,8 @@ def test_an_echo_in_another_spelling_proves_nothing_by_itself():
     planner, plan, nxt = a_proven_continuation()
     outcome = planner.settle(plan, 200, _answer("resp_gw_2", store=True, previous_response_id="resp_raw_1",
                                                 usage={"input_tokens": 10}))
-    assert outcome.kind == "ignored" and planner.stats()["unsupported_upstreams"] == 0
-    assert planner.plan(request(nxt)).action == "continue"  # neither marked nor built upon
+    assert outcome.kind == "unverified" and planner.stats()["unsupported_upstreams"] == 0
+    assert planner.plan(request(nxt)).previous_response_id == "resp_gw_first"  # neither marked nor built upon
 
 
 def test_an_echo_in_another_spelling_is_honoured_when_more_was_billed_than_sent():
@@ -486,7 +486,7 @@ def test_usage_proves_nothing_where_input_costs_tokens_without_bytes():
     plan.body = plan.body.replace(b'"input":[', b'"input":[{"type":"input_image","image_url":"https://x/i.png"},')
     outcome = planner.settle(plan, 200, _answer("resp_2", store=True, previous_response_id="resp_raw",
                                                 usage={"input_tokens": 10 ** 6}))
-    assert outcome.kind == "ignored"
+    assert outcome.kind == "unverified"
 
 
 # -- bodies whose meaning depends on the parser ----------------------

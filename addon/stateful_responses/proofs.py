@@ -1,5 +1,9 @@
 """Before anything relies on an upstream storing responses, ask it to read one
-back: ``GET …/responses/{id}`` with the credential that made it.
+back: ``GET …/responses/{id}`` with the credential that made it. And where a
+continuation's answer echoes its ``previous_response_id`` in another spelling
+(gateways re-encode ids), ask what the answer was made from:
+``GET …/responses/{id}/input_items`` lists the chain's items too, or only the
+ones sent when the upstream ignored the field.
 
 An answer's ``store: true`` can be an echo of the request (a gateway bridging
 onto chat completions stores nothing and still says so), so the word of an
@@ -17,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Coroutine
+from typing import Any
 from urllib.parse import quote, urlsplit
 
 from mitmproxy import http
@@ -34,6 +40,21 @@ PROOF_WAIT = 2.0  # a request waits this long at most for its upstream's proof
 RETRY_AFTER = 30.0  # an unfinished proof is tried again no sooner than this
 LOOK_AGAIN = 1.0  # the store is asked for another replica's proof of a scope at most this often
 _DROPPED_HEADERS = ("content-length", "content-type", "content-encoding", "transfer-encoding")
+
+
+def read_the_chain(status: int, body: bytes | None, items_sent: int) -> bool | None:
+    """The verdict of an echo proof's answer: True (the answer was made from
+    more than the items sent: the chain was read), False (from the items sent
+    alone), None (unknown: the upstream cannot list them)."""
+    if status >= 400:
+        return None
+    try:
+        listed = json.loads(body or b"")
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(listed, dict) or not isinstance(listed.get("data"), list):
+        return None
+    return len(listed["data"]) > items_sent or listed.get("has_more") is True
 
 
 def reads_back(status: int, body: bytes | None, response_id: str) -> bool | None:
@@ -57,33 +78,41 @@ class Proofs:
         self.replays = replays
         self.state = state
         self.counters = counters
-        self._running: dict[str, asyncio.Task] = {}
-        self._tried = Bounded(4096)  # scope -> when its last unfinished proof started
+        self._running: dict[str, asyncio.Task] = {}  # scope -> its proof under way (one at a time)
+        self._tried = Bounded(4096)  # scope -> when its last unfinished storage proof started
         self._looked = Bounded(4096)  # scope -> when the store was last asked for its proof
 
     def start(self, flow: http.HTTPFlow, scope: str, label: str, upstream: str, response_id: str) -> None:
         """Prove ``scope`` (``upstream``, a base URL, as seen by ``flow``'s
-        credential) with the stored ``response_id`` ``flow`` was just answered
-        with, unless it is proven, disproven or being proven."""
+        credential) stores responses, with the stored ``response_id`` ``flow``
+        was just answered with, unless it is proven, disproven or being proven."""
         loop = asyncio.get_running_loop()
         if not self.upstreams.unproven(scope) or scope in self._running \
                 or loop.time() < self._tried.get(scope, float("-inf")) + RETRY_AFTER:
             return
         self._tried.put(scope, loop.time())
-        self._running[scope] = loop.create_task(self._prove(flow, scope, label, upstream, response_id))
+        self._run(scope, self._prove_storage(flow, scope, label, upstream, response_id))
 
-    async def proven(self, scope: str) -> None:
-        """Until ``scope``'s running proof is over and its verdict written to
-        the store, ``PROOF_WAIT`` at most: the answer that started it reaches
-        the client whole only then, so that another replica finds the verdict."""
-        task = self._running.get(scope)
-        if task is not None:
-            await asyncio.wait({task}, timeout=PROOF_WAIT)
-            if task.done() and not task.cancelled():
-                await self.state.written(task.result())
+    def start_echo(self, flow: http.HTTPFlow, scope: str, label: str, upstream: str, response_id: str,
+                   items_sent: int) -> None:
+        """Find out whether the continuation ``flow`` was just answered with
+        (``response_id``, its id echoing another spelling of the one sent) was
+        made from its chain, unless that is known or being found out."""
+        if self.upstreams.has("honours_previous", scope) or scope in self._running:
+            return
+        self._run(scope, self._prove_echo(flow, scope, label, upstream, response_id, items_sent))
 
-    def running(self, scope: str) -> bool:
-        return scope in self._running
+    def _run(self, scope: str, proof: Coroutine[Any, Any, asyncio.Future | None]) -> None:
+        self._running[scope] = asyncio.get_running_loop().create_task(self._finally_done(scope, proof))
+
+    async def _finally_done(self, scope: str, proof: Coroutine[Any, Any, asyncio.Future | None]) -> asyncio.Future | None:
+        try:
+            return await proof
+        except Exception:
+            internal_error(self.counters, "proving what an upstream does")
+            return None
+        finally:
+            self._running.pop(scope, None)
 
     async def settled(self, scope: str) -> None:
         """Until ``scope``'s running proof is over, ``PROOF_WAIT`` at most;
@@ -102,33 +131,54 @@ class Proofs:
         self._looked.put(scope, now)
         self.upstreams.load(await self.state.get(MARKS, self.upstreams.proof_keys(scope)))
 
-    async def _prove(self, flow: http.HTTPFlow, scope: str, label: str, upstream: str,
-                     response_id: str) -> asyncio.Future | None:
+    async def proven(self, scope: str) -> None:
+        """Until ``scope``'s running proof is over and its verdict written to
+        the store, ``PROOF_WAIT`` at most: the answer that started it reaches
+        the client whole only then, so that another replica finds the verdict."""
+        task = self._running.get(scope)
+        if task is not None:
+            await asyncio.wait({task}, timeout=PROOF_WAIT)
+            if task.done() and not task.cancelled():
+                await self.state.written(task.result())
+
+    async def _get(self, flow: http.HTTPFlow, upstream: str, path: str, why: str) -> tuple[http.Response, str | None]:
+        """``GET {upstream}{path}`` with ``flow``'s credential, sent as
+        mitmproxy sends the client's requests."""
+        request = flow.request.copy()
+        request.method = "GET"
+        query = request.path.partition("?")[2]  # some gateways take keys there
+        request.path = urlsplit(upstream).path + path + (f"?{query}" if query else "")
+        for name in _DROPPED_HEADERS:
+            request.headers.pop(name, None)
+        request.content = b""
+        return await self.replays.send(flow, request, why, kind="proof")
+
+    async def _prove_storage(self, flow: http.HTTPFlow, scope: str, label: str, upstream: str,
+                             response_id: str) -> asyncio.Future | None:
         """Send the GET and mark the verdict; the verdict's write, on its way."""
-        try:
-            request = flow.request.copy()
-            request.method = "GET"
-            query = request.path.partition("?")[2]  # some gateways take keys there
-            request.path = f"{urlsplit(upstream).path}/responses/{quote(response_id, safe='')}" + \
-                (f"?{query}" if query else "")
-            for name in _DROPPED_HEADERS:
-                request.headers.pop(name, None)
-            request.content = b""
-            answer, failure = await self.replays.send(flow, request, f"can the upstream read {response_id} back?",
-                                                      kind="proof")
-            verdict = None if failure is not None else reads_back(answer.status_code, answer.content, response_id)
-            if verdict is True:
-                self._tried.pop(scope, None)
-                self.upstreams.mark("reads_back", scope)
-            elif verdict is False:
-                self._tried.pop(scope, None)
-                if self.upstreams.mark("unsupported", scope):
-                    self.counters.unsupported_upstreams += 1
-                    logger.info("stateful-responses: %s cannot read back a response it said it stored (%d); "
-                                "sending full history to it from now on", label, answer.status_code)
-            return self.state.flush()
-        except Exception:
-            internal_error(self.counters, "proving an upstream stores responses")
-            return None
-        finally:
-            self._running.pop(scope, None)
+        answer, failure = await self._get(flow, upstream, f"/responses/{quote(response_id, safe='')}",
+                                          f"can the upstream read {response_id} back?")
+        verdict = None if failure is not None else reads_back(answer.status_code, answer.content, response_id)
+        if verdict is True:
+            self._tried.pop(scope, None)
+            self.upstreams.mark("reads_back", scope)
+        elif verdict is False:
+            self._tried.pop(scope, None)
+            self._unsupported(scope, label, f"cannot read back a response it said it stored ({answer.status_code})")
+        return self.state.flush()
+
+    async def _prove_echo(self, flow: http.HTTPFlow, scope: str, label: str, upstream: str, response_id: str,
+                          items_sent: int) -> asyncio.Future | None:
+        answer, failure = await self._get(flow, upstream, f"/responses/{quote(response_id, safe='')}/input_items"
+                                          "?limit=100", f"was {response_id} made from its chain?")
+        verdict = None if failure is not None else read_the_chain(answer.status_code, answer.content, items_sent)
+        if verdict is True:
+            self.upstreams.mark("honours_previous", scope)
+        elif verdict is False:
+            self._unsupported(scope, label, "answered a previous_response_id from the items sent alone")
+        return self.state.flush()
+
+    def _unsupported(self, scope: str, label: str, why: str) -> None:
+        if self.upstreams.mark("unsupported", scope):
+            self.counters.unsupported_upstreams += 1
+            logger.info("stateful-responses: %s %s; sending full history to it from now on", label, why)

@@ -32,6 +32,42 @@ MARK_KINDS = frozenset(MarkKind.__args__)  # type: ignore[attr-defined]
 TRANSIENT_STATUSES = frozenset({408, 425, 429})
 
 
+# Input that costs tokens without bytes on the wire: a file or an image by reference.
+_TOKENS_WITHOUT_BYTES = (b'"input_image"', b'"input_file"', b'"file_id"', b'"input_audio"', b'"file_url"')
+# Tokens a server may add around what it was sent: a chat template's per-message markers, tool formatting.
+_TEMPLATE_TOKENS, _TEMPLATE_TOKENS_PER_ITEM = 64, 16
+EchoVerdict = Literal["honoured", "ignored", "undecided"]
+
+
+def echo_verdict(sent_id: str, echoed: object, answer: Mapping, sent: bytes, items_sent: int,
+                 honoured_before: bool) -> EchoVerdict:
+    """Whether the answer to a request that carried ``previous_response_id``
+    was made from its chain, judged from what the upstream cannot fake.
+
+    The id echoed back decides when it is the one sent, or when it cannot be
+    one (null, empty, a chat completion's id: a gateway that bridged the
+    request and dropped the field). Gateways re-encode the ids they hand out
+    (LiteLLM echoes the upstream's raw id), so another spelling proves nothing
+    by itself: the upstream honoured the field if it billed more input tokens
+    than the bytes ``sent`` could make (a token is at least one byte), or if
+    it already showed it does (``honoured_before``)."""
+    if echoed == sent_id:
+        return "honoured"
+    if not isinstance(echoed, str) or not echoed or echoed.startswith("chatcmpl"):
+        return "ignored"
+    if _billed_more_than_sent(answer, sent, items_sent) or honoured_before:
+        return "honoured"
+    return "undecided"
+
+
+def _billed_more_than_sent(answer: Mapping, sent: bytes, items_sent: int) -> bool:
+    usage = answer.get("usage")
+    tokens = usage.get("input_tokens") if isinstance(usage, dict) else None
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or any(marker in sent for marker in _TOKENS_WITHOUT_BYTES):
+        return False
+    return tokens > len(sent) + _TEMPLATE_TOKENS + _TEMPLATE_TOKENS_PER_ITEM * items_sent
+
+
 def _mark_key(kind: MarkKind, scope: str) -> bytes:
     return f"{kind}\x00{scope}".encode()
 

@@ -376,6 +376,10 @@ class ForwardMode:
             if outcome.response_id is not None:
                 plan = pending.plan
                 self.proofs.start(flow, plan.scope, plan.scope_label, plan.upstream, outcome.response_id)
+        elif outcome.kind == "unverified" and outcome.response_id is not None:
+            plan = pending.plan
+            self.proofs.start_echo(flow, plan.scope, plan.scope_label, plan.upstream, outcome.response_id,
+                                   plan.items_sent)
         elif outcome.kind == "unsupported":
             logger.info(
                 "stateful-responses: %s does not store responses (%s); "

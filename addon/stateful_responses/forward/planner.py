@@ -25,7 +25,7 @@ from ..reading import Reader, Reading, Request, Skip, splice
 from ..settings import Config, Settings
 from ..state.outbox import Outbox, Write
 from ..tenancy import Tenancy
-from ..upstreams import TRANSIENT_STATUSES, Upstreams
+from ..upstreams import TRANSIENT_STATUSES, Upstreams, echo_verdict
 from .prefixes import ENTRIES, REFS, Match, PrefixStore, StoredEntry, encode_entry
 
 Action = Literal["pass", "full", "continue"]
@@ -84,7 +84,7 @@ class _Draft:
 class Outcome:
     """What one answer taught the store, for logs, counters and the flow."""
 
-    kind: Literal["advanced", "dropped", "unsupported", "ignored", "retry", "transient", "pending"]
+    kind: Literal["advanced", "dropped", "unsupported", "ignored", "unverified", "retry", "transient", "pending"]
     detail: str
     response_id: str | None = None
 
@@ -333,13 +333,15 @@ class Planner:
         status = response.get("status")
         echoed = response.get("previous_response_id", _ABSENT)
         if plan.action == "continue" and echoed is not _ABSENT:
-            verdict = self._echo_verdict(plan, echoed, response)
+            assert plan.body is not None and plan.previous_response_id is not None
+            verdict = echo_verdict(plan.previous_response_id, echoed, response, plan.body, plan.items_sent,
+                                   self.upstreams.has("honours_previous", plan.scope))
             if verdict == "ignored":
                 self._mark_unsupported(plan.scope)
                 return Outcome("unsupported", "upstream ignored previous_response_id", rid)
             if verdict == "undecided":
-                return Outcome("ignored", "the answer echoes previous_response_id in another spelling and its usage "
-                               "does not show the chain was read: it proves nothing", rid)
+                return Outcome("unverified", "the answer echoes previous_response_id in another spelling: nothing "
+                               "is built on it until the upstream shows it read the chain", rid)
             self.upstreams.mark("honours_previous", plan.scope)
         if status in ("queued", "in_progress") and response.get("background") is True and isinstance(rid, str):
             self.background.put(rid, plan)
@@ -379,24 +381,6 @@ class Planner:
         self.store.remember(digest, length, rid, plan.parent, plan.scope, expires)
         self._outbox.append(Write(ENTRIES, digest, encode_entry(StoredEntry(rid, length, plan.scope, expires)), self.config.ttl))
         return Outcome("advanced", f"stores {plan.items_total + len(output)} items", rid)
-
-    def _echo_verdict(self, plan: Plan, echoed: Any, response: dict) -> Literal["honoured", "ignored", "undecided"]:
-        """Whether the answer to a continuation was made from its chain.
-
-        The id echoed back decides when it is the one sent, or when it cannot
-        be one (null, empty, a chat completion's id: a gateway that bridged
-        the request and dropped the field). Gateways re-encode the ids they
-        hand out (LiteLLM echoes the upstream's raw id), so another spelling
-        proves nothing by itself: the upstream honoured the field if it billed
-        more input tokens than the bytes it was sent could make (a token is at
-        least one byte), or if it already showed it does on this scope."""
-        if echoed == plan.previous_response_id:
-            return "honoured"
-        if not isinstance(echoed, str) or not echoed or echoed.startswith("chatcmpl"):
-            return "ignored"
-        if _billed_more_than_sent(plan, response) or self.upstreams.has("honours_previous", plan.scope):
-            return "honoured"
-        return "undecided"
 
     def _observe(self, plan: Plan, status_code: int, response: Any) -> Outcome:
         """A client's own continuation: an answer that echoes its
@@ -456,24 +440,6 @@ class Planner:
 
     def stats(self) -> dict[str, int]:
         return {**vars(self.counters), "branches": self.store.branch_count}
-
-
-# Input that costs tokens without bytes on the wire: a file or an image by reference.
-_TOKENS_WITHOUT_BYTES = (b'"input_image"', b'"input_file"', b'"file_id"', b'"input_audio"', b'"file_url"')
-# Tokens a server may add around what it was sent: a chat template's per-message markers, tool formatting.
-_TEMPLATE_TOKENS, _TEMPLATE_TOKENS_PER_ITEM = 64, 16
-
-
-def _billed_more_than_sent(plan: Plan, response: dict) -> bool:
-    """The answer's ``usage.input_tokens`` exceeds what the body sent could
-    have made, so the upstream read the stored chain too."""
-    usage = response.get("usage")
-    tokens = usage.get("input_tokens") if isinstance(usage, dict) else None
-    sent = plan.body
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or sent is None \
-            or any(marker in sent for marker in _TOKENS_WITHOUT_BYTES):
-        return False
-    return tokens > len(sent) + _TEMPLATE_TOKENS + _TEMPLATE_TOKENS_PER_ITEM * plan.items_sent
 
 
 def plan_summary(plan: Plan) -> str:

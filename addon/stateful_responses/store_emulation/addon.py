@@ -61,7 +61,7 @@ from ..sse import AnswerReader
 from ..state.access import StateAccess
 from ..state.storage import StorageError
 from ..tenancy import Tenancy, credential_material
-from ..upstreams import TRANSIENT_STATUSES, Upstreams
+from ..upstreams import TRANSIENT_STATUSES, Upstreams, echo_verdict
 from .history import History, Turn, listed_items, response_json, string_input_item
 from .turns import Tenant, seal_key
 from .walk import ChainError
@@ -533,16 +533,24 @@ class StoreEmulation:
         if not isinstance(response.get("id"), str) or not response["id"]:
             return
         sent_previous = record.previous_response_id if record.expanded is None else None
-        echoed = response.get("previous_response_id")
         stored = response.get("store")
-        # An answer to a continuation that names another parent, or says it
-        # stores nothing (then it cannot have continued one either), was made
-        # without the chain: from now on the chain goes expanded.
-        if sent_previous is not None and (echoed != sent_previous or stored is False) \
-                and self.upstreams.mark("refuses_previous", record.scope):
-            logger.info("stateful-responses: an upstream answered a previous_response_id without its chain; "
-                        "expanding chains for it from now on")
-        stored_upstream = stored is True or (stored is None and sent_previous is not None and echoed == sent_previous)
+        verdict = None
+        if sent_previous is not None:
+            verdict = echo_verdict(sent_previous, response.get("previous_response_id"), response,
+                                   record.client.raw_content or b"", len(record.raw_input),
+                                   self.upstreams.has("honours_previous", record.scope))
+            # An answer to a continuation made without its chain (or that says it
+            # stores nothing: then it cannot have continued one either): from now
+            # on the chain goes expanded.
+            if (verdict == "ignored" or stored is False) and self.upstreams.mark("refuses_previous", record.scope):
+                logger.info("stateful-responses: an upstream answered a previous_response_id without its chain; "
+                            "expanding chains for it from now on")
+            elif verdict == "honoured":
+                self.upstreams.mark("honours_previous", record.scope)
+            elif verdict == "undecided":
+                self.proofs.start_echo(flow, record.scope, record.label, record.upstream, response["id"],
+                                       len(record.raw_input))
+        stored_upstream = stored is True or (stored is None and verdict == "honoured")
         due = self.history.record(record.tenant, response=response, previous_response_id=record.previous_response_id,
                                   raw_input=record.raw_input, stored_upstream=stored_upstream)
         record.written = self.state.flush()
