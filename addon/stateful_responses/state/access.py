@@ -18,6 +18,10 @@ class StateAccess(Protocol):
     async def get_strict(self, table: str, keys: Sequence[bytes]) -> dict[bytes, bytes]:
         """Records among ``keys``; StorageError when the store cannot say."""
 
+    async def learn_secrets(self) -> bool:
+        """Read the store's secrets again (another replica may have made one
+        this process has not met yet); whether they changed."""
+
     def flush(self) -> asyncio.Future | None:
         """Queue every outbox for the store; the future is done once written."""
 

@@ -165,6 +165,18 @@ class StateStore:
         if self._attempted is not None and not self._attempted.is_set():
             await asyncio.wait({asyncio.ensure_future(self._attempted.wait())}, timeout=READY_WAIT)
 
+    async def learn_secrets(self) -> bool:
+        """Read the store's secrets again (another replica may have made one
+        this process has not met yet); whether they changed."""
+        if not self.up or self.storage is None:
+            return False
+        before = (self.tenancy.secret, self.tenancy.older_secrets)
+        try:
+            await asyncio.wait_for(self._share_secret(self.storage), READ_TIMEOUT)
+        except (StorageError, asyncio.TimeoutError):
+            return False
+        return (self.tenancy.secret, self.tenancy.older_secrets) != before
+
     async def get(self, table: str, keys: Sequence[bytes]) -> dict[bytes, bytes]:
         """Records among ``keys``; nothing when the store is down or slow."""
         if not keys or not self.up or self.storage is None:

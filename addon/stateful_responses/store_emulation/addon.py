@@ -81,6 +81,7 @@ class _Flow:
     """What emulation keeps about a flow between its request and its answer."""
 
     tenant: Tenant
+    credential: bytes
     scope: str
     label: str
     upstream: str  # the base URL
@@ -214,8 +215,8 @@ class StoreEmulation:
         if raw_input is None:  # a string input is one user message
             raw_input = [string_input_item(bytes(reading.fields["input"]))]
         previous = reading.previous if isinstance(reading.previous, str) else None
-        record = _Flow(self._tenant(reading.credential), reading.scope, reading.label, reading.upstream, previous,
-                       raw_input, client,
+        record = _Flow(self._tenant(reading.credential), reading.credential, reading.scope, reading.label,
+                       reading.upstream, previous, raw_input, client,
                        record_turn=reading.client_store is not False,
                        moved=bool((flow.metadata.get(ROUTED) or {}).get("moved")))
         self._flows.put(flow, record)
@@ -270,6 +271,8 @@ class StoreEmulation:
             if e.code != "previous_response_not_found":
                 raise
             await asyncio.sleep(NOT_FOUND_RETRY)  # written by another proxy a moment ago?
+            if await self.state.learn_secrets():  # under a secret new to this replica?
+                record.tenant = self._tenant(record.credential)
             context = await self.history.context(record.tenant, record.previous_response_id, get)
         items = await self._referenced(record.tenant, context + record.raw_input)
         dropped = 0
@@ -315,8 +318,8 @@ class StoreEmulation:
             return None
         raw_input = reading.raw_items if reading.raw_items is not None \
             else [string_input_item(bytes(reading.fields["input"]))]
-        record = record or _Flow(self._tenant(reading.credential), reading.scope, reading.label, reading.upstream,
-                                 reading.previous, raw_input, client)
+        record = record or _Flow(self._tenant(reading.credential), reading.credential, reading.scope, reading.label,
+                                 reading.upstream, reading.previous, raw_input, client)
         try:
             return (await self._expand(reading, record))[0]
         except (ChainError, StorageError):
@@ -340,7 +343,7 @@ class StoreEmulation:
         tenant = self._tenant(credential)
         upstream = f"{url.scheme}://{url.netloc}{match['base']}"
         scope, label = self.tenancy.scope(upstream, credential)
-        record = _Flow(tenant, scope, label, upstream, response_id, [], flow.request.copy())
+        record = _Flow(tenant, credential, scope, label, upstream, response_id, [], flow.request.copy())
         if self.mode != "always" and not self.upstreams.cannot_continue(scope):
             if method == "DELETE":
                 # The upstream deletes its copy; ours must go too, or a later
@@ -349,7 +352,10 @@ class StoreEmulation:
                 flow.metadata[EMULATION] = {"delete": response_id}
             return
         try:
-            turn = await self.history.turn(tenant, response_id, self.state.get_strict)
+            turn = await self.history.turn(tenant, response_id, self.state.get_strict, fresh=True)
+            if turn is None and await self.state.learn_secrets():  # written under a secret new to this replica?
+                tenant = record.tenant = self._tenant(credential)
+                turn = await self.history.turn(tenant, response_id, self.state.get_strict, fresh=True)
         except StorageError:
             return  # the record is out of reach: ask the upstream
         if turn is None:

@@ -226,19 +226,22 @@ class History:
 
     # -- reading -------------------------------------------------------------------
 
-    async def turn(self, tenant: Tenant, response_id: str, get: GetRecords, *, as_target: bool = False) -> Turn | None:
+    async def turn(self, tenant: Tenant, response_id: str, get: GetRecords, *, as_target: bool = False,
+                   fresh: bool = False) -> Turn | None:
         """One recorded turn of this tenant, or None (unknown, expired, a
         conflict, sealed for someone else).
 
         As the target of a request (continued from, retrieved, deleted), the
         store decides whether it still exists and a deleted one is None:
-        memory may have missed a DELETE on another replica or an expiry. As a
-        turn a chain passes through, memory's copy serves, deleted or not:
+        memory may have missed a DELETE on another replica or an expiry
+        (``fresh`` asks the store too, and returns a deleted turn as such). As
+        a turn a chain passes through, memory's copy serves, deleted or not:
         deleting a response never takes away what others rely on. A turn read
         from the store brings its ancestors' records along."""
         keys = tenant.turn_keys(response_id)
         records: Mapping[bytes, Any] = {}
-        if not as_target:
+        fresh = fresh or as_target
+        if not fresh:
             for key in keys:
                 known = self.turns.hit(key)
                 if isinstance(known, Turn):
@@ -251,7 +254,7 @@ class History:
         for key in keys:
             record = records.get(key)
             if record is None:
-                if as_target:
+                if fresh:
                     self.turns.pop(key, None)
                 continue
             turn = self._opened(tenant, response_id, key, record)
