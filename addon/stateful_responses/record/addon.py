@@ -118,8 +118,8 @@ class ContinuationRecord:
                 return
             if turn.unresolved:
                 self.index.resolve(turn, await self.state.get(self.index.table_of(turn), turn.unresolved))
-            if (chain := self.index.unknown_tip(turn)) is not None:
-                self.index.learn_tips(turn, await self.state.get(CHAIN_TIPS, [chain]))
+            if chains := self.index.unknown_tips(turn):
+                self.index.learn_tips(turn, await self.state.get(CHAIN_TIPS, chains))
             self.index.claim(turn)
             self.state.flush()
             self._remember(flow.id, (turn, None))
@@ -191,14 +191,16 @@ class ContinuationRecord:
         turn.upstream = routed.get("failed_over_to") or routed.get("upstream") or turn.upstream
         turn.restored = any(c.field in ("input", "previous_response_id") and c.disposition != "unsupported"
                             for c in turn.changes)
+        turn.continued_upstream = any(c.field == "input" and c.disposition == "preserved" for c in turn.changes)
         self.index.finish(turn, answer)
         self.state.flush()
         record, audit = turn.record(), {"protocolMapping": turn.audit()}
         flow.metadata[CONTINUATION] = record
         flow.metadata[AUDIT] = audit
-        tag = chain_tag(turn.chain_id)
-        if not (flow.comment or "").startswith(tag):
-            flow.comment = f"{tag} {flow.comment}".strip()
+        comment = flow.comment or ""
+        if comment.startswith("chain:"):  # the tag the request got: the chain may have changed since
+            comment = comment.partition(" ")[2]
+        flow.comment = f"{chain_tag(turn.chain_id)} {comment}".strip()
         self.file.append({"flow": flow.id, "time": time.time(), "protocol": turn.protocol,
                           "model": turn.request.model, "continuation": record, "audit": audit})
 
