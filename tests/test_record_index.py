@@ -131,7 +131,8 @@ def test_outputs_between_their_calls_answer_them_all_and_continue_the_answer_tha
     index = ChainIndex()
     opening = answered(index, begin(index, "openai-responses", {"input": [user("weather?")]}), "openai-responses",
                        responses_answer(call(1), call(2)))
-    interleaved = begin(index, "openai-responses", {"input": [user("weather?"), call(1), output(1), call(2), output(2)]})
+    interleaved = begin(index, "openai-responses",
+                        {"input": [user("weather?"), call(1), output(1), call(2), output(2)]})
     assert (interleaved.previous.turn_id, interleaved.chain_id) == (opening.turn_id, opening.chain_id)
     assert [r.call_id for r in interleaved.submitted] == ["call_1", "call_2"]
     answered(index, interleaved, "openai-responses", responses_answer(call(3)))

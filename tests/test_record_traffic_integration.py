@@ -178,18 +178,19 @@ def function_call(n: int, city: str) -> dict:
             "arguments": json.dumps({"city": city}), "status": "completed"}
 
 
+def said(item_id: str, text: str) -> dict:
+    return {"type": "message", "id": item_id, "role": "assistant", "status": "completed",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
 def test_tool_outputs_put_right_after_their_calls_answer_them_all_on_one_chain(stub, start_proxy, tmp_path):
     """The loop of OpenAI's function-calling guide, appending each call and
     then its output, over an answer with two parallel calls."""
     record_file = tmp_path / "records.jsonl"
     proxy = start_proxy(stub.url, "--set", f"stateful_record_file={record_file}")
     stub.answer_json(responses_answer("resp_1", [function_call(1, "Paris"), function_call(2, "Oslo")]))
-    stub.answer_json(responses_answer("resp_2", [{"type": "message", "id": "msg_2", "role": "assistant",
-                                                  "status": "completed", "content": [
-                                                      {"type": "output_text", "text": "20 both.", "annotations": []}]}]))
-    stub.answer_json(responses_answer("resp_3", [{"type": "message", "id": "msg_3", "role": "assistant",
-                                                  "status": "completed", "content": [
-                                                      {"type": "output_text", "text": "Welcome.", "annotations": []}]}]))
+    stub.answer_json(responses_answer("resp_2", [said("msg_2", "20 in both.")]))
+    stub.answer_json(responses_answer("resp_3", [said("msg_3", "Welcome.")]))
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-a", max_retries=0,
                            http_client=httpx.Client(trust_env=False))
     history: list = [{"role": "user", "content": "Weather in Paris and Oslo?"}]
@@ -218,9 +219,9 @@ def gemini_answer(parts: list, response_id: str) -> dict:
 def test_geminis_automatic_function_calling_answers_the_calls_it_made_by_their_ids(stub, start_proxy, tmp_path):
     record_file = tmp_path / "records.jsonl"
     proxy = start_proxy(stub.url, "--set", f"stateful_record_file={record_file}")
-    stub.answer_json(gemini_answer([{"functionCall": {"id": "fc_paris", "name": "get_weather", "args": {"city": "Paris"}}},
-                                    {"functionCall": {"id": "fc_oslo", "name": "get_weather", "args": {"city": "Oslo"}}}],
-                                   "r1"))
+    parts = [{"functionCall": {"id": f"fc_{city.lower()}", "name": "get_weather", "args": {"city": city}}}
+             for city in ("Paris", "Oslo")]
+    stub.answer_json(gemini_answer(parts, "r1"))
     stub.answer_json(gemini_answer([{"text": "20 in both."}], "r2"))
     stub.answer_json(gemini_answer([{"text": "Welcome."}], "r3"))
 
@@ -233,6 +234,7 @@ def test_geminis_automatic_function_calling_answers_the_calls_it_made_by_their_i
     chat = client.chats.create(model="gemini-x", config=genai_types.GenerateContentConfig(tools=[get_weather]))
     chat.send_message("Weather in Paris and Oslo?")  # the SDK calls get_weather twice and sends the results
     chat.send_message("thanks")
+    client.close()
     wait_for_lines(record_file, 3)
     calls, results, thanks = records(record_file)
     assert_one_linked_chain([calls, results, thanks])

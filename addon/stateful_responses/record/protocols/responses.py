@@ -114,9 +114,10 @@ class RequestItems:
         return [i if isinstance(i := self.shape(p).get("id"), str) else None for p in positions]
 
     def results(self, start: int, calls: Collection[str]) -> list[ToolResult]:
-        answering = [i for i in range(start, len(self)) if _is_output(self.shape(i)) and self.shape(i)["call_id"] in calls]
-        names = _names(self.shape(i) for i in range(start, len(self)))
-        return [self.result(i, names) for i in answering]
+        shapes = [self.shape(i) for i in range(start, len(self))]
+        names = _names(shapes)
+        return [self.result(start + offset, names) for offset, shape in enumerate(shapes)
+                if _is_output(shape) and shape["call_id"] in calls]
 
     def result(self, index: int, names: dict[str, str]) -> ToolResult:
         """The tool output at ``index`` (an ``_is_output`` item), named from ``names``."""
