@@ -11,7 +11,7 @@ import pytest
 from stateful_responses.store_emulation.walk import ChainError
 from stateful_responses.settings import Config, Settings
 from stateful_responses.store_emulation.history import History, exact_digest, listed_items, response_json
-from stateful_responses.store_emulation.turns import ITEMS, TURNS, Tenant, conflict, header_of
+from stateful_responses.store_emulation.turns import ITEMS, TURNS, Tenant, header_of
 
 SECRET = os.urandom(32)
 ALICE = Tenant.of(SECRET, b"Bearer sk-alice")

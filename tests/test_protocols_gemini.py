@@ -57,6 +57,25 @@ def test_request_model_stream_system_and_function_responses_without_ids():
     assert ("functionResponse.id", "lossy") in [(e.field, e.disposition) for e in lifted.audit]
 
 
+def test_responses_without_ids_take_their_calls_ids_by_name_and_order():
+    """google-genai's automatic function calling answers calls that have ids
+    with responses that have none: Gemini pairs them by name and order."""
+    lifted = lift("gemini-chat", URL, body(contents=[
+        {"role": "user", "parts": [{"text": "Weather in Paris and Oslo, and the time?"}]},
+        {"role": "model", "parts": [
+            {"functionCall": {"id": "a1", "name": "get_weather", "args": {"city": "Paris"}}},
+            {"functionCall": {"id": "b2", "name": "get_time", "args": {}}},
+            {"functionCall": {"id": "c3", "name": "get_weather", "args": {"city": "Oslo"}}}]},
+        {"role": "user", "parts": [
+            {"functionResponse": {"name": "get_time", "response": {"result": "noon"}}},
+            {"functionResponse": {"id": "c3", "name": "get_weather", "response": {"result": "rain"}}},
+            {"functionResponse": {"name": "get_weather", "response": {"result": "sunny"}}}]},
+    ]))
+    assert [r.call_id for r in lifted.submitted_tool_results] == ["b2", "c3", "a1"]
+    assert "toolCallIds" not in lifted.hints  # nothing made up
+    assert ("functionResponse.id", "lossy") not in [(e.field, e.disposition) for e in lifted.audit]
+
+
 def test_function_call_ids_are_used_when_the_upstream_gives_them():
     answer = lift_answer("gemini-chat", json.dumps(response([
         {"functionCall": {"id": "fc_1", "name": "f", "args": {}}}])).encode(), sse=False)

@@ -131,3 +131,8 @@ def test_lifting_from_the_planners_reading_equals_lifting_the_body(items):
     full = lift("openai-responses", URL, body)
     assert fast.submitted_tool_results == full.submitted_tool_results
     assert (fast.model, fast.system, fast.audit) == (full.model, full.system, full.audit)
+    everywhere = range(len(items))
+    assert [fast.items.kind(i) for i in everywhere] == [full.items.kind(i) for i in everywhere]
+    assert fast.items.ids(everywhere) == full.items.ids(everywhere)
+    calls = {"call_1", "call_2"}
+    assert all(fast.items.results(i, calls) == full.items.results(i, calls) for i in everywhere)

@@ -86,7 +86,8 @@ class ContinuationRecord:
         self.state = state
         self.index = index
         self.file = RecordFile()
-        self._turns: OrderedDict[str, tuple[Turn, LiftReader | None]] = OrderedDict()
+        # by flow id: the turn, and the reader tapping the answer as it streams (and which answer)
+        self._turns: OrderedDict[str, tuple[Turn, LiftReader | None, http.Response | None]] = OrderedDict()
 
     def configure(self, updated: set[str]) -> None:
         if "stateful_record_file" in updated:
@@ -118,11 +119,11 @@ class ContinuationRecord:
                 return
             if turn.unresolved:
                 self.index.resolve(turn, await self.state.get(self.index.table_of(turn), turn.unresolved))
-            if (chain := self.index.unknown_tip(turn)) is not None:
-                self.index.learn_tips(turn, await self.state.get(CHAIN_TIPS, [chain]))
+            if chains := self.index.unknown_tips(turn):
+                self.index.learn_tips(turn, await self.state.get(CHAIN_TIPS, chains))
             self.index.claim(turn)
             self.state.flush()
-            self._remember(flow.id, (turn, None))
+            self._remember(flow.id, (turn, None, None))
             flow.metadata[CONTINUATION] = turn.record()
             flow.metadata[AUDIT] = {"protocolMapping": turn.audit()}
             flow.comment = chain_tag(turn.chain_id)
@@ -147,7 +148,7 @@ class ContinuationRecord:
             turn = entry[0]
             reader = LiftReader(AnswerLifter(turn.protocol), flow.response.headers.get("content-type", ""),
                                 flow.response.headers.get("content-encoding", ""))
-            self._turns[flow.id] = (turn, reader)
+            self._turns[flow.id] = (turn, reader, flow.response)
             downstream = flow.response.stream
 
             def tap(chunk: bytes) -> bytes:
@@ -166,9 +167,13 @@ class ContinuationRecord:
         entry = self._turns.pop(flow.id, None)
         if entry is None or flow.response is None:
             return
-        turn, reader = entry
+        turn, reader, tapped = entry
         try:
-            if reader is None or flow.response.status_code >= 300:  # read whole: held, buffered or replaced
+            # Read whole what the tap did not see through: an answer held back
+            # (another addon's hold drops the tap), one that replaced it (a
+            # retry, a failover), one buffered, an error.
+            if reader is None or tapped is not flow.response or flow.metadata.get(HELD) \
+                    or flow.response.status_code >= 300:
                 reader = LiftReader(AnswerLifter(turn.protocol), flow.response.headers.get("content-type", ""),
                                     flow.response.headers.get("content-encoding", ""))
                 reader.feed(flow.response.raw_content or b"")
@@ -186,23 +191,24 @@ class ContinuationRecord:
                 internal_error(self.counters, "recording a failed turn")
 
     def _finish(self, flow: http.HTTPFlow, turn: Turn, answer) -> None:
-        turn.changes += _changes_made(flow, turn.protocol)
+        changes, turn.continued_upstream, expanded = _changes_made(flow, turn.protocol)
+        turn.changes += changes
+        turn.restored = turn.continued_upstream or expanded
         routed = flow.metadata.get(ROUTED) or {}
         turn.upstream = routed.get("failed_over_to") or routed.get("upstream") or turn.upstream
-        turn.restored = any(c.field in ("input", "previous_response_id") and c.disposition != "unsupported"
-                            for c in turn.changes)
         self.index.finish(turn, answer)
         self.state.flush()
         record, audit = turn.record(), {"protocolMapping": turn.audit()}
         flow.metadata[CONTINUATION] = record
         flow.metadata[AUDIT] = audit
-        tag = chain_tag(turn.chain_id)
-        if not (flow.comment or "").startswith(tag):
-            flow.comment = f"{tag} {flow.comment}".strip()
+        comment = flow.comment or ""
+        if comment.startswith("chain:"):  # the tag the request got: the chain may have changed since
+            comment = comment.partition(" ")[2]
+        flow.comment = f"{chain_tag(turn.chain_id)} {comment}".strip()
         self.file.append({"flow": flow.id, "time": time.time(), "protocol": turn.protocol,
                           "model": turn.request.model, "continuation": record, "audit": audit})
 
-    def _remember(self, flow_id: str, entry: tuple[Turn, LiftReader | None]) -> None:
+    def _remember(self, flow_id: str, entry: tuple[Turn, LiftReader | None, http.Response | None]) -> None:
         self._turns[flow_id] = entry
         while len(self._turns) > MAX_TURNS:
             self._turns.popitem(last=False)
@@ -227,23 +233,34 @@ def _upstream(flow: http.HTTPFlow) -> str:
     return f"{flow.request.scheme}://{flow.request.host}:{flow.request.port}"
 
 
-def _changes_made(flow: http.HTTPFlow, protocol: str) -> list:
-    """Audit entries for what our own addons changed in this flow."""
+def _changes_made(flow: http.HTTPFlow, protocol: str) -> tuple[list, bool, bool]:
+    """Audit entries for what our own addons did in this flow, as it finally
+    went: a continuation the upstream refused, or one a failover took
+    elsewhere, did not reach the answer the client got. Also whether the
+    answer came from a continuation of the upstream's state, and whether from
+    a chain the proxy expanded."""
     changes = []
     decision = flow.metadata.get(DECISION) or {}
-    if decision.get("action") == "continue":
+    routed = flow.metadata.get(ROUTED) or {}
+    continued = decision.get("action") == "continue"
+    refused, failed_over = decision.get("retried_after"), routed.get("failed_over_to")
+    if refused:
+        change = f"continued from {decision.get('previous_response_id')}" if continued else "the changed request"
+        changes.append(audit_entry("input", "preserved", f"{change}: the upstream answered {refused}; the client's "
+                                   "own body was sent again instead", protocol))
+    elif continued and failed_over:
+        changes.append(audit_entry("input", "preserved", f"continued from {decision.get('previous_response_id')} "
+                                   f"at {routed['upstream']}; the failover sent the client's own body instead",
+                                   protocol))
+    elif continued:
         changes.append(audit_entry(
             "input", "preserved",
             f"continued from {decision.get('previous_response_id')}: {decision.get('items_sent')} of "
             f"{decision.get('items_total')} items sent, the rest by reference to what the upstream stored",
             protocol))
-    if decision.get("forced_store"):
+    if decision.get("forced_store") and not refused and not failed_over:
         changes.append(audit_entry("store", "lossy", "the client's store choice replaced by store: true "
                                    "(stateful_force_store)", protocol))
-    if decision.get("retried_after"):
-        changes.append(audit_entry("input", "preserved", f"the upstream answered {decision['retried_after']} "
-                                   "to the changed request; retried with the client's own body", protocol))
-    routed = flow.metadata.get(ROUTED) or {}
     if routed.get("failed_over_to"):
         changes.append(audit_entry(
             "upstream", "lossy", f"{routed['upstream']} answered {routed['failed_after']}; the turn went to "
@@ -266,4 +283,4 @@ def _changes_made(flow: http.HTTPFlow, protocol: str) -> list:
     if emulated.get("references_expanded"):
         changes.append(audit_entry("item_reference", "preserved", "references to recorded items expanded from the "
                                    "record: the upstream stores nothing", protocol))
-    return changes
+    return changes, continued and not refused and not failed_over, bool(emulated.get("expanded"))

@@ -238,6 +238,7 @@ class Answer:
             messages=[message],
             pending_tool_calls=pending,
             audit=audit.entries,
+            paused=stop == "pause_turn",
         )
 
 

@@ -9,12 +9,15 @@ nothing else.
 
 Privacy: the lifted messages hold prompt content and stay in memory. Audit
 entries, hints and ``ToolResult`` carry field names, ids, sizes and digests
-only, so they may reach logs and the record file.
+only; a ``ToolResult`` digest is unkeyed, so the record keys it with the
+store's secret before it reaches the record file.
 """
 
 from __future__ import annotations
 
 import json
+import typing
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -52,7 +55,29 @@ class ToolResult:
     call_id: str
     name: str | None
     output_bytes: int  # size of the result's normal form as canonical JSON
-    digest: str  # blake3 of that, hex
+    digest: str  # blake3 of that, hex, unkeyed: never written as it is
+
+
+# What an item of a request is, as far as following echoes needs: the model's
+# (an echoed answer item), a tool's output the client wrote, or anything else.
+Kind = Literal["model", "output", "other"]
+
+
+class Items(typing.Protocol):
+    """A request's messages read one by one on demand, beyond their digests:
+    what the index needs to follow an echo the prefix alone does not show
+    (tool outputs interleaved with their calls, echoed item ids), read only
+    as far back as it asks, so that long histories cost no more."""
+
+    def kind(self, index: int) -> Kind: ...
+
+    def ids(self, positions: Collection[int]) -> list[str | None]:
+        """The ids the client sent on these messages (None: none)."""
+        ...
+
+    def results(self, start: int, calls: Collection[str]) -> list[ToolResult]:
+        """The tool results from ``start`` on that answer one of ``calls``, in order."""
+        ...
 
 
 @dataclass
@@ -69,6 +94,9 @@ class LiftedRequest:
     # The messages' digests, when the caller already has them (the planner's,
     # for Responses items: the same normal form): nothing is hashed twice.
     digests: list[bytes] | None = None
+    # The messages one by one (Responses, whose items carry ids and whose tool
+    # outputs may sit between the calls they answer); None for the others.
+    items: Items | None = None
 
 
 @dataclass
@@ -81,6 +109,10 @@ class LiftedAnswer:
     pending_tool_calls: list[str]
     audit: list[AuditEntry]
     hints: dict[str, Any] = field(default_factory=dict)
+    ids: list[str | None] = field(default_factory=list)  # each message's own id, where it has one (Responses)
+    # A server tool loop paused (Anthropic's pause_turn): the client resends the
+    # conversation as it stands, this answer included, to let it go on.
+    paused: bool = False
 
 
 class Audit:

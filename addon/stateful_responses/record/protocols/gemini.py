@@ -153,6 +153,10 @@ def _note_absorbed(audit: Audit, seen: set[str]) -> None:
                    "consecutive model contents are one turn: google-genai resends a streamed answer by chunks")
 
 
+def _name(part: dict) -> str:
+    return part["name"] if isinstance(part.get("name"), str) else ""
+
+
 def _call_ids(calls: list[dict]) -> tuple[list[str], bool]:
     """Each call's id, or ``name#k`` for the k-th call of that name when the
     upstream gave no id (Gemini matches results to calls by name and order).
@@ -162,7 +166,7 @@ def _call_ids(calls: list[dict]) -> tuple[list[str], bool]:
         if isinstance(call.get("id"), str):
             ids.append(call["id"])
             continue
-        name = call.get("name") if isinstance(call.get("name"), str) else ""
+        name = _name(call)
         k = counts.get(name, 0)
         counts[name] = k + 1
         ids.append(f"{name}#{k}")
@@ -181,14 +185,32 @@ def _parts_with(messages: list, key: str) -> list[dict]:
 
 
 def _submitted_tool_results(messages: list) -> tuple[list[ToolResult], bool]:
-    """``functionResponse`` parts after the last model turn: what this request answers."""
+    """``functionResponse`` parts after the last model turn: what this request
+    answers. A response without an id answers the first call of its name in
+    that turn not answered yet, as Gemini pairs them, and takes that call's id
+    (google-genai's automatic function calling copies none). Second value:
+    whether any id was made up (``_call_ids``)."""
     last = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "model"), default=-1)
+    calls = _parts_with(messages[last : last + 1], "functionCall") if last >= 0 else []
     responses = _parts_with(messages[last + 1 :], "functionResponse")
-    ids, made_up = _call_ids(responses)
-    return [
-        tool_result(call_id, r.get("name") if isinstance(r.get("name"), str) else None, r.get("response"))
-        for call_id, r in zip(ids, responses)
-    ], made_up
+    answered = {r["id"] for r in responses if isinstance(r.get("id"), str)}
+    unanswered: dict[str, list[tuple[str, bool]]] = {}  # by name: (id, made up), in call order
+    for call, call_id in zip(calls, _call_ids(calls)[0]):
+        if call_id not in answered:
+            unanswered.setdefault(_name(call), []).append((call_id, not isinstance(call.get("id"), str)))
+    results, made_up, unpaired = [], False, {}
+    for response in responses:
+        name = _name(response)
+        if isinstance(response.get("id"), str):
+            call_id = response["id"]
+        elif unanswered.get(name):
+            call_id, made = unanswered[name].pop(0)
+            made_up = made_up or made
+        else:  # no call of that name left to answer: numbered as calls without ids are
+            k = unpaired[name] = unpaired.get(name, -1) + 1
+            call_id, made_up = f"{name}#{k}", True
+        results.append(tool_result(call_id, name or None, response.get("response")))
+    return results, made_up
 
 
 def lift_request(url: str, doc: Any) -> LiftedRequest | None:

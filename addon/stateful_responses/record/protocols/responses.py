@@ -3,19 +3,21 @@
 Messages are input and output items in ``items.normalize_item``'s form, the
 same form the prefix store compares: clients echo output items back as input
 items (openai-python passes the objects or their ``model_dump()``), and
-``items.py`` holds the equivalences those echoes need.
+``items.py`` holds the equivalences those echoes need. The ids the normal form
+leaves out still tell echoes apart: a request's items are there to read
+(``RequestItems``), and an answer names its items' ids (``LiftedAnswer.ids``).
 """
 
 from __future__ import annotations
 
-from itertools import chain
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import msgspec
 
 from ...items import as_item_list, normalize_item
 from ...sse import RESPONSE_EVENTS, TERMINAL_EVENTS
-from .common import Audit, LiftedAnswer, LiftedRequest, Status, ToolResult, parse_json, tool_result
+from .common import Audit, Kind, LiftedAnswer, LiftedRequest, Status, ToolResult, parse_json, tool_result
 
 PROTOCOL = "openai-responses"
 STATUSES = frozenset({"completed", "incomplete", "failed", "in_progress", "queued", "cancelled"})
@@ -51,55 +53,111 @@ def _is_client_call(item: dict) -> bool:
     return isinstance(kind, str) and kind in CLIENT_CALL_TYPES and isinstance(item.get("call_id"), str)
 
 
-def _submitted_tool_results(items: list) -> list[ToolResult]:
-    """``*_call_output`` items after the last model item: what this request answers."""
-    last_model = max((i for i, item in enumerate(items) if _is_model_item(item)), default=-1)
-    names = {
-        item["call_id"]: item["name"]
-        for item in items
-        if isinstance(item, dict) and isinstance(item.get("call_id"), str) and isinstance(item.get("name"), str)
-    }
-    results = []
-    for item in items[last_model + 1 :]:
-        if (
-            isinstance(item, dict)
-            and isinstance(item.get("type"), str)
-            and item["type"].endswith("_call_output")
-            and isinstance(item.get("call_id"), str)
-        ):
-            results.append(tool_result(item["call_id"], names.get(item["call_id"]), normalize_item(item).get("output")))
-    return results
+def _is_output(item: dict) -> bool:
+    kind = item.get("type")
+    return isinstance(kind, str) and kind.endswith("_call_output") and isinstance(item.get("call_id"), str)
 
 
-def lift_request(url: str, doc: Any) -> LiftedRequest | None:
-    if not isinstance(doc, dict):
-        return None
-    items = as_item_list(doc["input"]) if "input" in doc else []
-    if items is None:
-        return None
-    return _lifted(doc, [normalize_item(i) for i in items], _submitted_tool_results(items), None)
+def _kind(item: Any) -> Kind:
+    if _is_model_item(item):
+        return "model"
+    return "output" if isinstance(item, dict) and _is_output(item) else "other"
+
+
+def _names(items: Iterable[Any]) -> dict[str, str]:
+    return {item["call_id"]: item["name"] for item in items
+            if isinstance(item, dict) and isinstance(item.get("call_id"), str) and isinstance(item.get("name"), str)}
 
 
 class _Shape(msgspec.Struct):
-    """What tells items apart and pairs calls with results."""
+    """What tells items apart, pairs calls with results and names an echo."""
 
     type: Any = None
     role: Any = None
     call_id: Any = None
     name: Any = None
+    id: Any = None
 
 
 _SHAPE = msgspec.json.Decoder(_Shape)
 
 
-def _shape_of(raw: bytes) -> dict:
-    """An item read as far as ``_submitted_tool_results`` needs: a tool's
-    output whole, anything else only its shape (the rest of a user message,
-    which may be megabytes, is skipped unparsed)."""
-    shape = _SHAPE.decode(raw)
-    if isinstance(shape.type, str) and shape.type.endswith("_call_output"):
-        return parse_json(raw)
-    return {k: v for k, v in msgspec.structs.asdict(shape).items() if v is not None}
+class RequestItems:
+    """A request's items read one at a time, each at most once: raw spans
+    (the planner's reading) read only as far as their shape, a tool output
+    whole only for its result's size and digest; or items already parsed."""
+
+    def __init__(self, items: Sequence[Any], raw: bool) -> None:
+        self._items = items
+        self._raw = raw
+        self._shapes: dict[int, dict] = {}
+        self._outputs: dict[int, tuple[int, str]] = {}  # a tool output's size and digest, by index
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def shape(self, index: int) -> dict:
+        shape = self._shapes.get(index)
+        if shape is None:
+            item = self._items[index]
+            if self._raw:
+                shape = {k: v for k, v in msgspec.structs.asdict(_SHAPE.decode(item)).items() if v is not None}
+            else:
+                shape = item if isinstance(item, dict) else {}
+            self._shapes[index] = shape
+        return shape
+
+    def kind(self, index: int) -> Kind:
+        return _kind(self.shape(index))
+
+    def ids(self, positions: Collection[int]) -> list[str | None]:
+        return [i if isinstance(i := self.shape(p).get("id"), str) else None for p in positions]
+
+    def results(self, start: int, calls: Collection[str]) -> list[ToolResult]:
+        shapes = [self.shape(i) for i in range(start, len(self))]
+        names = _names(shapes)
+        return [self.result(start + offset, names) for offset, shape in enumerate(shapes)
+                if _is_output(shape) and shape["call_id"] in calls]
+
+    def result(self, index: int, names: dict[str, str]) -> ToolResult:
+        """The tool output at ``index`` (an ``_is_output`` item), named from ``names``."""
+        call_id = self.shape(index)["call_id"]
+        known = self._outputs.get(index)
+        if known is None:
+            item = parse_json(self._items[index]) if self._raw else self._items[index]
+            computed = tool_result(call_id, None, normalize_item(item).get("output"))
+            known = self._outputs[index] = (computed.output_bytes, computed.digest)
+        return ToolResult(call_id, names.get(call_id), *known)
+
+
+def _submitted_tool_results(items: RequestItems, first: int) -> list[ToolResult]:
+    """The tool outputs after the model's last turn, which starts at
+    ``first``: what this request answers, as far as the request alone tells
+    (the index, knowing which calls the answer before left pending, asks
+    ``RequestItems.results`` instead). Calls are named from that turn on, or
+    from further back when a result answers an older call."""
+    end = len(items)
+    last_model = max((i for i in range(first, end) if _is_model_item(items.shape(i))), default=first - 1)
+    outputs = [i for i in range(last_model + 1, end) if _is_output(items.shape(i))]
+    names = _names(items.shape(i) for i in range(first, end))
+    unnamed = {items.shape(i)["call_id"] for i in outputs} - names.keys()
+    while unnamed and first > 0:
+        first -= 1
+        shape = items.shape(first)
+        if isinstance(shape.get("call_id"), str) and isinstance(shape.get("name"), str):
+            names.setdefault(shape["call_id"], shape["name"])
+            unnamed.discard(shape["call_id"])
+    return [items.result(i, names) for i in outputs]
+
+
+def lift_request(url: str, doc: Any) -> LiftedRequest | None:
+    if not isinstance(doc, dict):
+        return None
+    listed = as_item_list(doc["input"]) if "input" in doc else []
+    if listed is None:
+        return None
+    items = RequestItems(listed, raw=False)
+    return _lifted(doc, [normalize_item(i) for i in listed], _submitted_tool_results(items, 0), None, items)
 
 
 def lift_read(doc: dict, raw_items: list[bytes], digests: list[bytes]) -> LiftedRequest:
@@ -108,27 +166,16 @@ def lift_read(doc: dict, raw_items: list[bytes], digests: list[bytes]) -> Lifted
     their digests. Items are read from the newest back, and only as far as
     the results this request submits and the calls that name them, so
     recording costs next to nothing on top of planning."""
-    shapes = map(_shape_of, reversed(raw_items))  # newest first, each read once
-    read: list[Any] = []  # newest first: the submitted results and the model's last turn
-    for item in shapes:
-        if read and _is_model_item(read[-1]) and not _is_model_item(item):
-            shapes = chain([item], shapes)
-            break
-        read.append(item)
-    submitted = _submitted_tool_results(read[::-1])
-    unnamed = {result.call_id for result in submitted if result.name is None}
-    if unnamed:  # a call made before the model's last turn: read back to it
-        for item in shapes:
-            read.append(item)
-            if isinstance(item.get("name"), str):
-                unnamed.discard(item.get("call_id"))
-            if not unnamed:
-                break
-        submitted = _submitted_tool_results(read[::-1])
-    return _lifted(doc, [], submitted, digests)
+    items = RequestItems(raw_items, raw=True)
+    first = len(items)  # back to the start of the model's last turn
+    while first > 0 and not (first < len(items) and _is_model_item(items.shape(first))
+                             and not _is_model_item(items.shape(first - 1))):
+        first -= 1
+    return _lifted(doc, [], _submitted_tool_results(items, first), digests, items)
 
 
-def _lifted(doc: dict, messages: list, submitted: list[ToolResult], digests: list[bytes] | None) -> LiftedRequest:
+def _lifted(doc: dict, messages: list, submitted: list[ToolResult], digests: list[bytes] | None,
+            items: RequestItems) -> LiftedRequest:
     audit = Audit(PROTOCOL, "request")
     audit.note("input", "preserved", "items compared in items.normalize_item's form")
     instructions = doc.get("instructions")
@@ -158,6 +205,7 @@ def _lifted(doc: dict, messages: list, submitted: list[ToolResult], digests: lis
         audit=audit.entries,
         hints={},
         digests=digests,
+        items=items,
     )
 
 
@@ -237,4 +285,5 @@ class Answer:
             messages=[normalize_item(i) for i in output],
             pending_tool_calls=pending,
             audit=audit.entries,
+            ids=[i["id"] if isinstance(i, dict) and isinstance(i.get("id"), str) else None for i in output],
         )

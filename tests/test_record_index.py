@@ -1,0 +1,171 @@
+"""The chain index alone (no mitmproxy): which turn a request continues when
+traffic is untidy: retries of turns left without an answer, the same request
+sent twice, identical conversations, tool outputs between their calls, a
+paused server tool loop; and tool-result digests keyed with the store's secret."""
+
+from __future__ import annotations
+
+import json
+
+from blake3 import blake3
+from protocols_support import lift, lift_answer
+from stateful_responses.items import canonical_json
+from stateful_responses.record.index import ChainIndex, Turn
+
+URLS = {
+    "openai-responses": "http://127.0.0.1/v1/responses",
+    "openai-chat": "http://127.0.0.1/v1/chat/completions",
+    "anthropic-messages": "http://127.0.0.1/v1/messages",
+}
+SECRET = b"s" * 32
+
+
+def begin(index: ChainIndex, protocol: str, body: dict, secret: bytes = SECRET) -> Turn:
+    """A request on its way upstream, as the glue starts it."""
+    turn = index.begin(lift(protocol, URLS[protocol], json.dumps(body).encode()), b"credential", secret,
+                       flow_id="flow", upstream="http://upstream")
+    index.claim(turn)
+    return turn
+
+
+def answered(index: ChainIndex, turn: Turn, protocol: str, answer: dict) -> Turn:
+    index.finish(turn, lift_answer(protocol, json.dumps(answer).encode(), sse=False))
+    return turn
+
+
+def responses_answer(*output: dict) -> dict:
+    return {"id": f"resp_{len(output)}", "status": "completed", "output": list(output)}
+
+
+def said(text: str, item_id: str = "msg_1") -> dict:
+    return {"type": "message", "id": item_id, "role": "assistant", "status": "completed",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def call(n: int) -> dict:
+    return {"type": "function_call", "id": f"fc_{n}", "call_id": f"call_{n}", "name": "get_weather",
+            "arguments": json.dumps({"city": f"City{n}"})}
+
+
+def output(n: int) -> dict:
+    return {"type": "function_call_output", "call_id": f"call_{n}", "output": json.dumps({"temp": 20 + n})}
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def chat(*messages: dict) -> dict:
+    return {"model": "m", "messages": list(messages)}
+
+
+def chat_answer(text: str) -> dict:
+    return {"id": "chatcmpl-1", "choices": [{"index": 0, "finish_reason": "stop",
+                                             "message": {"role": "assistant", "content": text}}]}
+
+
+def test_a_retry_of_a_turn_left_without_an_answer_continues_its_chain():
+    index = ChainIndex()
+    opening = begin(index, "openai-chat", chat(user("hi")))
+    index.finish(opening, None)  # a 500: no answer
+    retried = answered(index, begin(index, "openai-chat", chat(user("hi"))), "openai-chat", chat_answer("hello"))
+    assert retried.chain_id == opening.chain_id
+
+    second = chat(user("hi"), {"role": "assistant", "content": "hello"}, user("more"))
+    failed = begin(index, "openai-chat", second)
+    answered(index, failed, "openai-chat", {"error": {"message": "overloaded"}})  # an error body: a dead end
+    retry = answered(index, begin(index, "openai-chat", second), "openai-chat", chat_answer("more it is"))
+    assert (retry.chain_id, retry.previous.turn_id, retry.fork) == (opening.chain_id, retried.turn_id, False)
+    assert failed.record()["previousTurnId"] == retried.turn_id and failed.chain_id == opening.chain_id
+    assert retry.record()["stickyScope"] == "conversation"
+
+
+def test_a_retry_racing_its_first_attempt_stays_on_the_chain_and_two_answers_still_fork():
+    index = ChainIndex()
+    first = answered(index, begin(index, "openai-chat", chat(user("hi"))), "openai-chat", chat_answer("hello"))
+    body = chat(user("hi"), {"role": "assistant", "content": "hello"}, user("more"))
+    attempt = begin(index, "openai-chat", body)
+    again = begin(index, "openai-chat", body)  # the client gave up waiting; the attempt is still on its way
+    assert (attempt.chain_id, again.chain_id, again.fork) == (first.chain_id, first.chain_id, False)
+    answered(index, attempt, "openai-chat", chat_answer("one answer"))
+    answered(index, again, "openai-chat", chat_answer("another answer"))  # both reached the client
+    assert attempt.chain_id == first.chain_id
+    assert again.chain_id != first.chain_id and again.record()["stickyScope"] == "request"
+    assert again.record()["resumeFrom"]["turnId"] == first.turn_id
+
+
+def test_a_different_continuation_of_an_answered_turn_is_a_fork():
+    index = ChainIndex()
+    first = answered(index, begin(index, "openai-chat", chat(user("hi"))), "openai-chat", chat_answer("hello"))
+    history = [user("hi"), {"role": "assistant", "content": "hello"}]
+    on = answered(index, begin(index, "openai-chat", chat(*history, user("one way"))), "openai-chat", chat_answer("a"))
+    other = begin(index, "openai-chat", chat(*history, user("another way")))
+    assert on.chain_id == first.chain_id and (other.fork, other.previous.turn_id) == (True, first.turn_id)
+    assert other.chain_id != first.chain_id
+
+
+def test_identical_openings_are_told_apart_by_the_item_ids_their_clients_echo():
+    index = ChainIndex()
+    a1 = answered(index, begin(index, "openai-responses", {"input": [user("hi")]}), "openai-responses",
+                  responses_answer(said("hello", "msg_a")))
+    b1 = answered(index, begin(index, "openai-responses", {"input": [user("hi")]}), "openai-responses",
+                  responses_answer(said("hello", "msg_b")))
+    b2 = begin(index, "openai-responses", {"input": [user("hi"), said("hello", "msg_b"), user("b again")]})
+    a2 = begin(index, "openai-responses", {"input": [user("hi"), said("hello", "msg_a"), user("a again")]})
+    assert (b2.previous.turn_id, b2.chain_id, b2.fork) == (b1.turn_id, b1.chain_id, False)
+    assert (a2.previous.turn_id, a2.chain_id, a2.fork) == (a1.turn_id, a1.chain_id, False)
+
+
+def test_identical_openings_without_ids_go_on_from_the_turns_still_at_their_tips():
+    index = ChainIndex()
+    history = [user("hi"), {"role": "assistant", "content": "hello"}]
+    a1 = answered(index, begin(index, "openai-chat", chat(user("hi"))), "openai-chat", chat_answer("hello"))
+    b1 = answered(index, begin(index, "openai-chat", chat(user("hi"))), "openai-chat", chat_answer("hello"))
+    a2 = answered(index, begin(index, "openai-chat", chat(*history, user("a"))), "openai-chat", chat_answer("x"))
+    b2 = begin(index, "openai-chat", chat(*history, user("b")))
+    assert (a2.previous.turn_id, a2.chain_id) == (a1.turn_id, a1.chain_id)
+    assert (b2.previous.turn_id, b2.chain_id, b2.fork) == (b1.turn_id, b1.chain_id, False)
+
+
+def test_outputs_between_their_calls_answer_them_all_and_continue_the_answer_that_made_them():
+    index = ChainIndex()
+    opening = answered(index, begin(index, "openai-responses", {"input": [user("weather?")]}), "openai-responses",
+                       responses_answer(call(1), call(2)))
+    interleaved = begin(index, "openai-responses",
+                        {"input": [user("weather?"), call(1), output(1), call(2), output(2)]})
+    assert (interleaved.previous.turn_id, interleaved.chain_id) == (opening.turn_id, opening.chain_id)
+    assert [r.call_id for r in interleaved.submitted] == ["call_1", "call_2"]
+    answered(index, interleaved, "openai-responses", responses_answer(call(3)))
+    # the next step of the loop: only the newest call is answered now
+    history = [user("weather?"), call(1), output(1), call(2), output(2), call(3), output(3)]
+    step = begin(index, "openai-responses", {"input": history})
+    assert (step.previous.turn_id, step.chain_id) == (interleaved.turn_id, opening.chain_id)
+    assert [r.call_id for r in step.submitted] == ["call_3"]
+    assert step.record()["toolContinuation"]["mode"] == "tool_outputs"
+
+
+def test_a_paused_server_tool_turn_is_continued_by_its_resend_as_a_server_tool_followup():
+    index = ChainIndex()
+    blocks = [{"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {"query": "q"}}]
+    body = {"model": "m", "max_tokens": 64, "messages": [user("search")]}
+    paused = answered(index, begin(index, "anthropic-messages", body), "anthropic-messages",
+                      {"id": "msg_1", "type": "message", "role": "assistant", "content": blocks,
+                       "stop_reason": "pause_turn"})
+    resend = begin(index, "anthropic-messages", {**body, "messages": [user("search"),
+                                                                      {"role": "assistant", "content": blocks}]})
+    record = resend.record()
+    assert (record["previousTurnId"], record["chainId"], record["stickyScope"]) == \
+        (paused.turn_id, paused.chain_id, "conversation")
+    assert (record["toolContinuation"]["mode"], record["stateOrigin"]) == ("servertool_followup", "servertool-followup")
+
+
+def test_tool_result_digests_are_keyed_with_the_stores_secret():
+    body = {"input": [user("weather?"), call(1), output(1)]}
+
+    def digest(secret: bytes) -> str:
+        return begin(ChainIndex(), "openai-responses", body, secret).record()["toolContinuation"][
+            "resumeOutputs"][0]["digest"]
+
+    assert digest(SECRET) == digest(SECRET) != digest(b"t" * 32)
+    unkeyed = blake3(canonical_json(output(1)["output"])).hexdigest(16)
+    assert digest(SECRET) != unkeyed  # holding the record file, one cannot confirm a guess of the result
