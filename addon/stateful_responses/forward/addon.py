@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections import OrderedDict
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -24,6 +23,7 @@ from ..flows import (
     DECISION,
     HELD,
     RETRY_OF,
+    PerFlow,
     end_still_to_come,
     hold,
     internal_error,
@@ -43,7 +43,6 @@ from .prefixes import ENTRIES, REFS, entries_found
 
 logger = logging.getLogger(__name__)
 
-MAX_PENDING = 10_000
 # Request bodies the addon may rewrite are kept whole up to this size even when
 # mitmproxy's stream_large_bodies would stream them past every addon.
 MAX_BUFFERED_REQUEST = 64 * 1024 * 1024
@@ -97,9 +96,9 @@ class ForwardMode:
         self.state = state
         self.replays = replays
         self.proofs = proofs
-        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._pending: PerFlow[_Pending] = PerFlow()
         self._view = None
-        self._polls: dict[str, tuple[str, str, str, str]] = {}  # flow id -> (response id, scope, label, upstream)
+        self._polls: PerFlow[tuple[str, str, str, str]] = PerFlow()  # (response id, scope, label, upstream)
 
     # -- hooks ---------------------------------------------------------------
 
@@ -176,14 +175,14 @@ class ForwardMode:
                 await self._proven(flow)
             client = flow.request  # unchanged until the end: _plan copies it only if it will be
             body = self._plan(flow, client)
-            pending = self._pending.get(flow.id)
+            pending = self._pending.get(flow)
             if pending is not None and (refs := self.planner.unresolved_references(pending.plan)):
                 found = await self.state.get(REFS, refs)
                 if found:  # item references another process learned: plan again with them
                     self.planner.learn_references(found)
                     self.planner.discard(pending.plan)
                     body = self._plan(flow, client)
-                    pending = self._pending.get(flow.id)
+                    pending = self._pending.get(flow)
             if pending is not None and (keys := self.planner.lookups(pending.plan)):
                 body = self._improve(flow, pending, entries_found(await self.state.get(ENTRIES, keys))) or body
             if body is not None:
@@ -232,13 +231,13 @@ class ForwardMode:
         if not plan.tracked:
             self._debug("passed %s: %s", plan.model or "-", plan.reason)
             if plan.watched:
-                self._remember(flow.id, _Pending(plan, None))
+                self._pending.put(flow, _Pending(plan, None))
             return None
         kept = None
         if plan.body is not None:
             flow.metadata.setdefault(CLIENT_BODY, client_body)  # store emulation may have set the client's own
             kept = original.copy() if original is flow.request else original  # for a retry, before it changes
-        self._remember(flow.id, _Pending(plan, kept))
+        self._pending.put(flow, _Pending(plan, kept))
         if plan.action == "continue":
             self._debug(
                 "rewritten %s: %d items, %d new, previous %s",
@@ -259,12 +258,12 @@ class ForwardMode:
             return
         upstream = f"{url.scheme}://{url.netloc}{match['base']}"
         scope, label = self.planner.tenancy.scope(upstream, credential_material(request_of(flow)))
-        self._polls[flow.id] = (match["id"], scope, label, upstream)
+        self._polls.put(flow, (match["id"], scope, label, upstream))
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is None:
             return
-        pending = self._pending.get(flow.id)
+        pending = self._pending.get(flow)
         try:
             if pending is None:
                 return
@@ -297,7 +296,7 @@ class ForwardMode:
             self._internal_error("tapping an answer")
 
     async def response(self, flow: http.HTTPFlow) -> None:
-        poll = self._polls.pop(flow.id, None)
+        poll = self._polls.pop(flow)
         if poll is not None and flow.response is not None:
             try:
                 reader = _reader_for(flow.response)
@@ -311,7 +310,7 @@ class ForwardMode:
             except Exception:
                 self._internal_error("reading a polled background response")
             return
-        pending = self._pending.pop(flow.id, None)
+        pending = self._pending.pop(flow)
         if pending is None or flow.response is None:
             return
         outcome = pending.outcome or self._settle_safely(flow, pending)
@@ -324,7 +323,7 @@ class ForwardMode:
             await self.proofs.proven(pending.plan.scope)
 
     def error(self, flow: http.HTTPFlow) -> None:
-        pending = self._pending.pop(flow.id, None)
+        pending = self._pending.pop(flow)
         if pending is None or pending.outcome is not None:
             return  # nothing planned, or the answer was complete before the failure
         try:
@@ -414,11 +413,6 @@ class ForwardMode:
             # 502), never the 400 our change caused (they would not).
             flow.comment = f"{summary}; upstream answered {rejected}; the retry with the original body failed " \
                            f"({failure}): answered 502"
-
-    def _remember(self, flow_id: str, pending: _Pending) -> None:
-        self._pending[flow_id] = pending
-        while len(self._pending) > MAX_PENDING:
-            self._pending.popitem(last=False)
 
     def _internal_error(self, doing: str) -> None:
         internal_error(self.planner.counters, doing)

@@ -19,13 +19,12 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict
 
 import msgspec
 from mitmproxy import ctx, http
 
 from ..counters import Counters
-from ..flows import AUDIT, CONTINUATION, DECISION, EMULATION, HELD, RETRY_OF, ROUTED, internal_error, request_of
+from ..flows import AUDIT, CONTINUATION, DECISION, EMULATION, HELD, RETRY_OF, ROUTED, PerFlow, internal_error, request_of
 from ..items import Ambiguous
 from ..reading import Reader, Reading
 from ..settings import Config
@@ -37,7 +36,6 @@ from .protocols import AnswerLifter, LiftedRequest, detect, lift_request, respon
 
 logger = logging.getLogger(__name__)
 
-MAX_TURNS = 10_000
 SPANS = frozenset({"input", "tools", "metadata", "text", "include", "reasoning"})  # big or irrelevant: not decoded
 
 
@@ -87,7 +85,7 @@ class ContinuationRecord:
         self.index = index
         self.file = RecordFile()
         # by flow id: the turn, and the reader tapping the answer as it streams (and which answer)
-        self._turns: OrderedDict[str, tuple[Turn, LiftReader | None, http.Response | None]] = OrderedDict()
+        self._turns: PerFlow[tuple[Turn, LiftReader | None, http.Response | None]] = PerFlow()
 
     def configure(self, updated: set[str]) -> None:
         if "stateful_record_file" in updated:
@@ -123,7 +121,7 @@ class ContinuationRecord:
                 self.index.learn_tips(turn, await self.state.get(CHAIN_TIPS, chains))
             self.index.claim(turn)
             self.state.flush()
-            self._remember(flow.id, (turn, None, None))
+            self._turns.put(flow, (turn, None, None))
             flow.metadata[CONTINUATION] = turn.record()
             flow.metadata[AUDIT] = {"protocolMapping": turn.audit()}
             flow.comment = chain_tag(turn.chain_id)
@@ -141,14 +139,14 @@ class ContinuationRecord:
         return lift_request(protocol, flow.request.url, flow.request.raw_content or b"")
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        entry = self._turns.get(flow.id)
+        entry = self._turns.get(flow)
         if entry is None or flow.response is None or flow.metadata.get(HELD):
             return
         try:
             turn = entry[0]
             reader = LiftReader(AnswerLifter(turn.protocol), flow.response.headers.get("content-type", ""),
                                 flow.response.headers.get("content-encoding", ""))
-            self._turns[flow.id] = (turn, reader, flow.response)
+            self._turns.put(flow, (turn, reader, flow.response))
             downstream = flow.response.stream
 
             def tap(chunk: bytes) -> bytes:
@@ -164,7 +162,7 @@ class ContinuationRecord:
         return RecordAnswers(self)
 
     async def finish_response(self, flow: http.HTTPFlow) -> None:
-        entry = self._turns.pop(flow.id, None)
+        entry = self._turns.pop(flow)
         if entry is None or flow.response is None:
             return
         turn, reader, tapped = entry
@@ -183,7 +181,7 @@ class ContinuationRecord:
             internal_error(self.counters, "recording a turn")
 
     def finish_error(self, flow: http.HTTPFlow) -> None:
-        entry = self._turns.pop(flow.id, None)
+        entry = self._turns.pop(flow)
         if entry is not None:
             try:
                 self._finish(flow, entry[0], None)
@@ -207,11 +205,6 @@ class ContinuationRecord:
         flow.comment = f"{chain_tag(turn.chain_id)} {comment}".strip()
         self.file.append({"flow": flow.id, "time": time.time(), "protocol": turn.protocol,
                           "model": turn.request.model, "continuation": record, "audit": audit})
-
-    def _remember(self, flow_id: str, entry: tuple[Turn, LiftReader | None, http.Response | None]) -> None:
-        self._turns[flow_id] = entry
-        while len(self._turns) > MAX_TURNS:
-            self._turns.popitem(last=False)
 
 
 class RecordAnswers:
