@@ -23,6 +23,8 @@ from stateful_responses.state.storage import (
     Batch,
     StorageError,
     StoreSpec,
+    log_entry,
+    log_length,
     open_storage,
     parse_store_spec,
 )
@@ -241,6 +243,93 @@ async def test_clear_forgets_every_table_and_the_store_stays_usable(storage):
     await storage.ping()
     await storage.put("entries", {b"c": b"3"}, ttl=60)
     assert await storage.get("entries", [b"a", b"c"]) == {b"c": b"3"}
+
+
+# Append-only logs
+
+LOG = bytes(range(16))
+
+
+async def read_log(storage, log: bytes = LOG, table: str = "entries") -> list[bytes] | None:
+    """A log's entries in order (None: no such log), as a reader gets them."""
+    length = (await storage.get(table, [log])).get(log)
+    if length is None:
+        return None
+    keys = [log_entry(log, n) for n in range(log_length(length))]
+    found = await storage.get(table, keys)
+    return [found.get(key) for key in keys]
+
+
+async def test_a_log_is_started_then_appended_to_in_order(storage):
+    await storage.write(Batch(appends=[("entries", LOG, [b"created"], 60, True)]))
+    await storage.write(Batch(appends=[("entries", LOG, [b"one", b"two"], 60, False),
+                                       ("entries", LOG, [b"three"], 60, False)]))
+    assert await read_log(storage) == [b"created", b"one", b"two", b"three"]
+    assert log_length((await storage.get("entries", [LOG]))[LOG]) == 4
+
+
+async def test_a_log_that_is_not_there_takes_nothing_unless_started(storage):
+    await storage.write(Batch(appends=[("entries", LOG, [b"lost"], 60, False)]))
+    assert await read_log(storage) is None and await storage.scan("entries") == {}
+
+
+async def test_a_dropped_log_is_gone_whole_and_takes_no_later_append(storage):
+    other = b"\xff" * 16
+    await storage.write(Batch(appends=[("entries", LOG, [b"a", b"b"], 60, True),
+                                       ("entries", other, [b"kept"], 60, True)]))
+    await storage.write(Batch(drops=[("entries", [LOG])], appends=[("entries", LOG, [b"late"], 60, False)]))
+    assert await read_log(storage) is None
+    assert await storage.scan("entries") == {other: (1).to_bytes(8, "big"), log_entry(other, 0): b"kept"}
+
+
+async def test_log_entries_expire_each_ttl_after_its_append_and_a_touch_keeps_them(storage):
+    await storage.write(Batch(appends=[("entries", LOG, [b"old"], 0.4, True)]))
+    await storage.write(Batch(appends=[("entries", LOG, [b"new"], 60, False)]))
+    await asyncio.sleep(0.6)
+    assert await read_log(storage) == [None, b"new"]  # a reader sees the hole: the log is no longer whole
+    await storage.write(Batch(appends=[("entries", LOG, [b"a"], 0.4, False)]))
+    await storage.write(Batch(touches=[("entries", [log_entry(LOG, 2)], 60)]))
+    await asyncio.sleep(0.6)
+    assert (await read_log(storage))[1:] == [b"new", b"a"]  # the length record lives as long as its longest entry
+
+
+async def test_the_writer_keeps_every_append_and_a_drop_takes_what_was_queued_before_it(storage):
+    """What the state store's writer makes of queued writes: appends to one
+    log each kept, in order; a log started and dropped in the same batch (a
+    conversation made and deleted at once) leaves nothing."""
+    from stateful_responses.state.addon import _apply
+    from stateful_responses.state.outbox import Write
+
+    other = b"\xff" * 16
+    await _apply(storage, [Write("entries", LOG, b"start", 60, log="start"),
+                           Write("entries", LOG, b"one", 60, log="append"),
+                           Write("entries", LOG, b"two", 60, log="append"),
+                           Write("entries", other, b"doomed", 60, log="start"),
+                           Write("entries", other, b"also doomed", 60, log="append"),
+                           Write("entries", other, None, log="drop")])
+    assert await read_log(storage) == [b"start", b"one", b"two"]
+    assert await read_log(storage, other) is None
+
+
+@pytest.mark.parametrize("make_storage", ["sqlite", "redis"], indirect=True)
+async def test_concurrent_appends_each_get_their_own_places(make_storage):
+    """Two stores on one file or server (two replicas) appending at once:
+    every value lands once, nothing is overwritten, each writer's in order."""
+    left, right = make_storage(), make_storage()
+    await left.open()
+    await right.open()
+    await left.write(Batch(appends=[("entries", LOG, [b"start"], 60, True)]))
+
+    async def appender(storage, name: bytes) -> None:
+        for n in range(40):
+            await storage.write(Batch(appends=[("entries", LOG, [name + b"%d" % n], 60, False)]))
+
+    await asyncio.gather(appender(left, b"L"), appender(right, b"R"))
+    entries = await read_log(left)
+    assert entries[0] == b"start" and sorted(entries[1:]) == sorted([b"L%d" % n for n in range(40)] +
+                                                                    [b"R%d" % n for n in range(40)])
+    for name in (b"L", b"R"):
+        assert [e for e in entries if e.startswith(name)] == [name + b"%d" % n for n in range(40)]
 
 
 @pytest.mark.parametrize("table", ["", "a:b", "t" * 65, "tab le"])

@@ -298,13 +298,23 @@ def _drain(name: str, settings: Settings, limits: dict[str, int], writes: list[W
 async def _apply(storage: Storage, writes: list[Write]) -> None:
     """Apply writes in one batch: what counts is each key's last put or
     delete, so puts are grouped by table and expiry, deletes by table; a
-    record that must not replace another is checked on its own first. Touches
-    only ever lengthen a record's life, so they are applied last, the longest
-    of each key's."""
+    record that must not replace another is checked on its own first. Appends
+    to a log keep their order, each one, and drops go whole. Touches only ever
+    lengthen a record's life, so they are applied last, the longest of each
+    key's."""
     last: dict[tuple[str, bytes], Write] = {}
     touches: dict[tuple[str, bytes], float] = {}
+    appends: list[tuple[str, bytes, list[bytes], float, bool]] = []
+    drops: dict[str, list[bytes]] = {}
     for write in writes:
         where = (write.table, write.key)
+        if write.log == "drop":  # the batch drops before it appends: what came before goes too
+            drops.setdefault(write.table, []).append(write.key)
+            appends = [a for a in appends if a[:2] != where]
+            continue
+        if write.log and write.value is not None:
+            appends.append((write.table, write.key, [write.value], write.ttl, write.log == "start"))
+            continue
         if write.touch:
             touches[where] = max(write.ttl, touches.get(where, 0.0))
             continue
@@ -324,7 +334,8 @@ async def _apply(storage: Storage, writes: list[Write]) -> None:
         renewals.setdefault((table, ttl), []).append(key)
     await storage.write(Batch(puts=[(table, records, ttl) for (table, ttl), records in puts.items()],
                               deletes=list(deletes.items()),
-                              touches=[(table, keys, ttl) for (table, ttl), keys in renewals.items()]))
+                              touches=[(table, keys, ttl) for (table, ttl), keys in renewals.items()],
+                              appends=appends, drops=list(drops.items())))
 
 
 async def _merged(storage: Storage, write: Write) -> Write:

@@ -10,19 +10,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 
 @dataclass(frozen=True)
 class Write:
     """One change to the backing store: a put (value), a delete (None), or a
-    touch: keep the record, if it is there, at least ``ttl`` from now."""
+    touch: keep the record, if it is there, at least ``ttl`` from now. With
+    ``log``, ``key`` names an append-only log (``storage.Batch``): "append"
+    adds the value at its end, "start" too and starts the log if it is not
+    there, "drop" removes it whole."""
 
     table: str
     key: bytes
     value: bytes | None
     ttl: float = 0.0
     touch: bool = False
+    log: Literal["", "append", "start", "drop"] = ""
     # For a record that must not silently replace a different one: given the
     # stored value, what to store instead (None: this write as it is).
     merge: Callable[[bytes, bytes], bytes | None] | None = None

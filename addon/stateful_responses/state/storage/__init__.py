@@ -6,6 +6,14 @@ decide what is worth keeping, the way hishel keeps its storages apart from its
 cache policy. ``memory`` keeps everything in the process, ``sqlite`` in one
 file (several proxies may share it), ``redis`` on a server shared by any
 number of proxies.
+
+A table may also hold append-only logs, for records that several processes
+add to at once: a log named ``key`` is its length record at ``key`` (8 bytes,
+big-endian) and its entries at ``log_entry(key, n)``. The store numbers an
+append's entries itself, inside the transaction that writes them, so that
+concurrent appends (two replicas, two responses) each get their own places,
+in the order the store took them, and never overwrite one another; reads are
+ordinary ``get``s of the length and the entries.
 """
 
 from __future__ import annotations
@@ -51,9 +59,9 @@ class Storage(Protocol):
     async def delete(self, table: str, keys: Sequence[bytes]) -> None: ...
 
     async def write(self, batch: Batch) -> None:
-        """Apply ``batch`` in one call: its deletes, then its puts, then its
-        touches, in one transaction (SQLite) or MULTI/EXEC (Redis). ``put``
-        and ``delete`` are one-table batches."""
+        """Apply ``batch`` in one call: its deletes, its drops, its puts, its
+        appends, then its touches, in one transaction (SQLite) or MULTI/EXEC
+        (Redis). ``put`` and ``delete`` are one-table batches."""
 
     async def scan(self, table: str) -> dict[bytes, bytes]:
         """Every unexpired record of a small table (marks), in one call."""
@@ -72,11 +80,36 @@ class Batch:
     """Writes to several tables at once: each put is (table, records, ttl),
     each delete (table, keys). A key is in at most one of them per table.
     Each touch (table, keys, ttl) keeps the records among ``keys`` that are
-    there at least ``ttl`` seconds from now (never shorter than they had)."""
+    there at least ``ttl`` seconds from now (never shorter than they had).
+
+    Each append (table, log, values, ttl, start) adds ``values`` at the end
+    of the log ``log``, in order, each entry expiring ``ttl`` from now (and the
+    length record no sooner); a log that is not there (never started, expired,
+    dropped) takes nothing unless ``start`` says to start it. Each drop
+    (table, logs) removes those logs whole, whatever was appended last."""
 
     puts: Sequence[tuple[str, Mapping[bytes, bytes], float]] = ()
     deletes: Sequence[tuple[str, Sequence[bytes]]] = ()
     touches: Sequence[tuple[str, Sequence[bytes], float]] = ()
+    appends: Sequence[tuple[str, bytes, Sequence[bytes], float, bool]] = ()
+    drops: Sequence[tuple[str, Sequence[bytes]]] = ()
+
+
+LOG_INDEX_SIZE = 8
+
+
+def log_entry(log: bytes, index: int) -> bytes:
+    """Where entry ``index`` (from 0) of the log ``log`` is."""
+    return log + index.to_bytes(LOG_INDEX_SIZE, "big")
+
+
+def log_length_record(length: int) -> bytes:
+    return length.to_bytes(LOG_INDEX_SIZE, "big")
+
+
+def log_length(record: bytes | None) -> int:
+    """A log's length, from its length record (None: no such log, 0)."""
+    return int.from_bytes(record, "big") if record else 0
 
 
 DEFAULT_SQLITE_FILE = "stateful-responses.sqlite3"

@@ -9,7 +9,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from . import DEFAULT_TABLE_LIMIT, Batch, check_table
+from . import DEFAULT_TABLE_LIMIT, Batch, check_table, log_entry, log_length, log_length_record
 
 
 @dataclass
@@ -87,10 +87,29 @@ class MemoryStorage:
             for key in keys:
                 records.pop(key, None)
         now = time.monotonic()
+        for table, logs in batch.drops:
+            records = self._tables.get(check_table(table), _Table()).records
+            for log in logs:
+                length = records.pop(log, (0.0, b""))[1]
+                for index in range(log_length(length)):
+                    records.pop(log_entry(log, index), None)
         for table, puts, ttl in batch.puts:
             stored = self._tables.setdefault(check_table(table), _Table())
             for key, value in puts.items():
                 stored.put(key, value, now + ttl)
+            stored.drop_expired(now)
+            stored.trim(self._limits.get(table, self._default_limit))
+        for table, log, values, ttl, start in batch.appends:
+            stored = self._tables.setdefault(check_table(table), _Table())
+            length = stored.records.get(log)
+            if length is None or length[0] <= now:
+                if not start:
+                    continue
+                length = (0.0, b"")
+            first = log_length(length[1])
+            for offset, value in enumerate(values):
+                stored.put(log_entry(log, first + offset), value, now + ttl)
+            stored.put(log, log_length_record(first + len(values)), max(length[0], now + ttl))
             stored.drop_expired(now)
             stored.trim(self._limits.get(table, self._default_limit))
         for table, keys, ttl in batch.touches:

@@ -4,7 +4,8 @@ Every key starts with one hash tag, ``{stateful-responses}:``, so the whole
 state sits in one slot of a Redis Cluster and the Lua scripts below may touch
 any of it. Layout, after that prefix:
 
-  ``r:<table>:<key>``  a record: its value, with a key TTL
+  ``r:<table>:<key>``  a record: its value, with a key TTL (a log's length
+                       record and its entries are records too)
   ``i:<table>``        the table's index: a sorted set of its record keys,
                        scored by expiry in milliseconds of the server's clock
   ``tables``           the set of table names that have an index
@@ -30,7 +31,7 @@ import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from . import DEFAULT_TABLE_LIMIT, Batch, StorageError, check_table
+from . import DEFAULT_TABLE_LIMIT, LOG_INDEX_SIZE, Batch, StorageError, check_table
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -63,6 +64,80 @@ if redis.call('PTTL', KEYS[1]) < ttl then
     redis.call('PEXPIRE', KEYS[1], ARGV[1])
 end
 redis.call('SADD', KEYS[2], ARGV[3])
+"""
+
+# A log's length record and entry indexes: LOG_INDEX_SIZE bytes, big-endian
+# (exact in Lua's doubles up to 2^53 entries).
+_LOG_INDEX = """
+local function log_index(n)
+    local bytes = {}
+    for i = %d, 1, -1 do
+        bytes[i] = n %% 256
+        n = math.floor(n / 256)
+    end
+    return string.char(unpack(bytes))
+end
+local function log_length(record)
+    local n = 0
+    for i = 1, #record do
+        n = n * 256 + string.byte(record, i)
+    end
+    return n
+end
+""" % LOG_INDEX_SIZE
+
+# KEYS: index, tables set, the log's length record.  ARGV: ttl ms, limit, table
+# name, "1" to start the log if it is not there, values... The entries are
+# numbered here, inside the script: a concurrent append, from this process or
+# another, takes the places after these.
+APPEND = _NOW_MS + _LOG_INDEX + """
+local ttl = tonumber(ARGV[1])
+local length = redis.call('GET', KEYS[3])
+if not length and ARGV[4] ~= '1' then
+    return 0
+end
+local n = length and log_length(length) or 0
+local expires = string.format('%.3f', now + ttl)
+for i = 5, #ARGV do
+    local entry = KEYS[3] .. log_index(n)
+    redis.call('SET', entry, ARGV[i], 'PX', ARGV[1])
+    redis.call('ZADD', KEYS[1], expires, entry)
+    n = n + 1
+end
+local keep = math.max(redis.call('PTTL', KEYS[3]), ttl)
+redis.call('SET', KEYS[3], log_index(n), 'PX', keep)
+redis.call('ZADD', KEYS[1], string.format('%.3f', now + keep), KEYS[3])
+local over = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[2])
+if over > 0 then
+    local soonest = redis.call('ZRANGE', KEYS[1], 0, over - 1)
+    for i = 1, #soonest, 1000 do
+        redis.call('DEL', unpack(soonest, i, math.min(i + 999, #soonest)))
+    end
+    redis.call('ZREMRANGEBYRANK', KEYS[1], 0, over - 1)
+end
+if redis.call('PTTL', KEYS[1]) < keep then
+    redis.call('PEXPIRE', KEYS[1], keep)
+end
+redis.call('SADD', KEYS[2], ARGV[3])
+return n
+"""
+
+# KEYS: index, the logs' length records... Each log goes whole: its length
+# record and every entry it counts.
+DROP = _LOG_INDEX + """
+for k = 2, #KEYS do
+    local length = redis.call('GET', KEYS[k])
+    local n = length and log_length(length) or 0
+    local doomed = {KEYS[k]}
+    for i = 0, n - 1 do
+        doomed[#doomed + 1] = KEYS[k] .. log_index(i)
+    end
+    for i = 1, #doomed, 1000 do
+        local slice = {unpack(doomed, i, math.min(i + 999, #doomed))}
+        redis.call('DEL', unpack(slice))
+        redis.call('ZREM', KEYS[1], unpack(slice))
+    end
+end
 """
 
 # KEYS: index, record keys...  ARGV: ttl ms. Records that are there and expire
@@ -168,6 +243,8 @@ class RedisStorage:
             self._keyring_script = self._client.register_script(KEYRING)
             self._scan_script = self._client.register_script(SCAN)
             self._clear_script = self._client.register_script(CLEAR)
+            self._append_script = self._client.register_script(APPEND)
+            self._drop_script = self._client.register_script(DROP)
         return self._client
 
     async def _call(self, operation: Callable[[redis.asyncio.Redis], Awaitable[T]]) -> T:
@@ -225,10 +302,16 @@ class RedisStorage:
         await self.write(Batch(deletes=[(table, keys)]))
 
     async def write(self, batch: Batch) -> None:
-        for table, *_ in (*batch.deletes, *batch.puts, *batch.touches):
+        for table, *_ in (*batch.deletes, *batch.drops, *batch.puts, *batch.appends, *batch.touches):
             check_table(table)
         deletes = [(self._index(table), [self._record_prefix(table) + key for key in keys])
                    for table, keys in batch.deletes if keys]
+        drops = [[self._index(table), *(self._record_prefix(table) + log for log in logs)]
+                 for table, logs in batch.drops if logs]
+        appends = [([self._index(table), self._prefix + b"tables", self._record_prefix(table) + log],
+                    [max(1, math.ceil(ttl * 1000)), self._limits.get(table, self._default_limit), table,
+                     b"1" if start else b"0", *values])
+                   for table, log, values, ttl, start in batch.appends if values]
         puts = [([self._index(table), self._prefix + b"tables", *(self._record_prefix(table) + key for key in records)],
                  [max(1, math.ceil(ttl * 1000)), self._limits.get(table, self._default_limit), table,
                   *records.values()])
@@ -236,7 +319,7 @@ class RedisStorage:
         touches = [([self._index(table), *(self._record_prefix(table) + key for key in keys)],
                     [max(1, math.ceil(ttl * 1000))])
                    for table, keys, ttl in batch.touches if keys]
-        if not deletes and not puts and not touches:
+        if not deletes and not drops and not puts and not appends and not touches:
             return
         secret = self._secret
 
@@ -248,8 +331,12 @@ class RedisStorage:
                 for index, record_keys in deletes:
                     pipe.delete(*record_keys)
                     pipe.zrem(index, *record_keys)
+                for keys in drops:
+                    await self._drop_script(keys=keys, client=pipe)
                 for keys, args in puts:
                     await self._put_script(keys=keys, args=args, client=pipe)
+                for keys, args in appends:
+                    await self._append_script(keys=keys, args=args, client=pipe)
                 for keys, args in touches:
                     await self._touch_script(keys=keys, args=args, client=pipe)
                 await pipe.execute()

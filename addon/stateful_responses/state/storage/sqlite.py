@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 from urllib.parse import quote
 
-from . import DEFAULT_TABLE_LIMIT, Batch, StorageError, check_table
+from . import DEFAULT_TABLE_LIMIT, Batch, StorageError, check_table, log_entry, log_length, log_length_record
 
 T = TypeVar("T")
 
@@ -54,6 +54,10 @@ SCHEMA = (
 GET = "SELECT key, value FROM records WHERE tbl = ? AND +expires > ? AND key IN ({})"
 UPSERT = ("INSERT INTO records (tbl, key, value, expires) VALUES (?, ?, ?, ?) "
           "ON CONFLICT (tbl, key) DO UPDATE SET value = excluded.value, expires = excluded.expires")
+# A log's length record: a later append never shortens its life.
+LOG_LENGTH = ("INSERT INTO records (tbl, key, value, expires) VALUES (?, ?, ?, ?) "
+              "ON CONFLICT (tbl, key) DO UPDATE SET value = excluded.value, expires = max(expires, excluded.expires)")
+LIVE_VALUE = "SELECT value, expires FROM records WHERE tbl = ? AND key = ? AND expires > ?"
 TOUCH = "UPDATE records SET expires = ? WHERE tbl = ? AND key = ? AND expires > ? AND expires < ?"
 DELETE_SOONEST = ("DELETE FROM records WHERE rowid IN "
                   "(SELECT rowid FROM records WHERE tbl = ? ORDER BY expires LIMIT ?)")
@@ -140,13 +144,16 @@ class SQLiteStorage:
     async def write(self, batch: Batch) -> None:
         # One job and one transaction for the whole batch: every hop to the
         # worker costs the event loop a wake-up and a turn of the GIL.
-        for table, *_ in (*batch.deletes, *batch.puts, *batch.touches):
+        for table, *_ in (*batch.deletes, *batch.drops, *batch.puts, *batch.appends, *batch.touches):
             check_table(table)
         deletes = [(table, list(keys)) for table, keys in batch.deletes if keys]
+        drops = [(table, list(logs)) for table, logs in batch.drops if logs]
         puts = [(table, dict(records), ttl) for table, records, ttl in batch.puts if records]
+        appends = [(table, log, list(values), ttl, start) for table, log, values, ttl, start in batch.appends
+                   if values]
         touches = [(table, list(keys), ttl) for table, keys, ttl in batch.touches if keys]
-        if deletes or puts or touches:
-            await self._run(self._write, deletes, puts, touches)
+        if deletes or drops or puts or appends or touches:
+            await self._run(self._write, deletes, drops, puts, appends, touches)
 
     async def scan(self, table: str) -> dict[bytes, bytes]:
         check_table(table)
@@ -296,24 +303,39 @@ class SQLiteStorage:
         return found
 
     def _write(self, db: sqlite3.Connection, deletes: list[tuple[str, list[bytes]]],
-               puts: list[tuple[str, dict[bytes, bytes], float]],
+               drops: list[tuple[str, list[bytes]]], puts: list[tuple[str, dict[bytes, bytes], float]],
+               appends: list[tuple[str, bytes, list[bytes], float, bool]],
                touches: list[tuple[str, list[bytes], float]]) -> None:
         now = time.time()
         with _transaction(db):
             for table, keys in deletes:
                 db.executemany("DELETE FROM records WHERE tbl = ? AND key = ?", ((table, key) for key in keys))
+            for table, logs in drops:
+                for log in logs:
+                    row = db.execute(LIVE_VALUE, (table, log, float("-inf"))).fetchone()
+                    keys = [log, *(log_entry(log, n) for n in range(log_length(row[0] if row else None)))]
+                    db.executemany("DELETE FROM records WHERE tbl = ? AND key = ?", ((table, key) for key in keys))
             for table, records, ttl in puts:
                 db.executemany(UPSERT, ((table, key, value, now + ttl) for key, value in records.items()))
-                over = self._count(db, table) - self._limits.get(table, self._default_limit)
-                if over > 0:
-                    db.execute(DELETE_SOONEST, (table, over))
+                self._keep_to_limit(db, table)
+            for table, log, values, ttl, start in appends:
+                # Numbered here, inside the write lock: a concurrent append,
+                # from this process or another, takes the places after these.
+                row = db.execute(LIVE_VALUE, (table, log, now)).fetchone()
+                if row is None and not start:
+                    continue  # the log is gone: nothing joins it
+                first = log_length(row[0] if row else None)
+                db.executemany(UPSERT, ((table, log_entry(log, first + n), value, now + ttl)
+                                        for n, value in enumerate(values)))
+                db.execute(LOG_LENGTH, (table, log, log_length_record(first + len(values)), now + ttl))
+                self._keep_to_limit(db, table)
             for table, keys, ttl in touches:
                 db.executemany(TOUCH, ((now + ttl, table, key, now, now + ttl) for key in keys))
-            if puts and now >= self._next_sweep:
+            if (puts or appends) and now >= self._next_sweep:
                 self._next_sweep = now + self._sweep_interval
                 for (name,) in db.execute("SELECT tbl FROM counts WHERE n > 0").fetchall():
                     db.execute(DELETE_EXPIRED, (name, now, SWEEP_BATCH))
-            if puts:
+            if puts or appends:
                 self._keep_under_max_bytes(db)
         try:
             over = os.path.getsize(self.path + "-wal") > 2 * self._wal_bytes
@@ -322,6 +344,11 @@ class SQLiteStorage:
         if over:  # the checkpoints fell behind (a busy machine): catch up here, where writes wait anyway
             db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
         self._checkpoint_soon()
+
+    def _keep_to_limit(self, db: sqlite3.Connection, table: str) -> None:
+        over = self._count(db, table) - self._limits.get(table, self._default_limit)
+        if over > 0:
+            db.execute(DELETE_SOONEST, (table, over))
 
     def _keep_under_max_bytes(self, db: sqlite3.Connection) -> None:
         """Over the cap, each table loses the same share of its rows, soonest
