@@ -403,7 +403,7 @@ def response_json(turn: Turn, output: Sequence[bytes]) -> bytes:
 # How the API lists input items: typed, with an id (prefixed by kind), an easy
 # message's text as one content part, and a status on the kinds that carry one.
 _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
-              "custom_tool_call": "ctc", "custom_tool_call_output": "ctco"}
+              "custom_tool_call": "ctc", "custom_tool_call_output": "ctco", "compaction": "cmp"}
 _WITH_STATUS = frozenset({"message", "function_call", "function_call_output"})
 
 
@@ -413,18 +413,24 @@ def listed_items(raw_items: Sequence[bytes], response_id: str) -> list[dict]:
     listed = []
     for n, raw in enumerate(raw_items):
         item = json.loads(raw)
-        if not isinstance(item, dict):
-            continue
-        kind = item.get("type") or "message"
-        made_up = f"{_ID_PREFIX.get(kind, 'item')}_{blake3(canonical_json([response_id, n])).hexdigest(12)}"
-        entry = {"id": item.get("id") or made_up, "type": kind,
-                 **{k: v for k, v in item.items() if k not in ("id", "type")}}
-        if kind == "message" and isinstance(item.get("content"), str):
-            part = "output_text" if item.get("role") == "assistant" else "input_text"
-            entry["content"] = [{"type": part, "text": item["content"]}]
-            if part == "output_text":
-                entry["content"][0]["annotations"] = []
-        if kind in _WITH_STATUS and entry.get("status") is None:
-            entry["status"] = "completed"
-        listed.append(entry)
+        if isinstance(item, dict):
+            stable = blake3(canonical_json([response_id, n])).hexdigest(12)
+            listed.append(listed_item(item, lambda prefix: f"{prefix}_{stable}"))
     return listed
+
+
+def listed_item(item: dict, new_id: Callable[[str], str]) -> dict:
+    """An item as the API stores and lists it: typed, with an id (``new_id``
+    of its kind's prefix when it has none), an easy message's text as one
+    content part, and a status on the kinds that carry one."""
+    kind = item.get("type") or "message"
+    entry = {"id": item.get("id") or new_id(_ID_PREFIX.get(kind, "item")), "type": kind,
+             **{k: v for k, v in item.items() if k not in ("id", "type")}}
+    if kind == "message" and isinstance(item.get("content"), str):
+        part = "output_text" if item.get("role") == "assistant" else "input_text"
+        entry["content"] = [{"type": part, "text": item["content"]}]
+        if part == "output_text":
+            entry["content"][0]["annotations"] = []
+    if kind in _WITH_STATUS and entry.get("status") is None:
+        entry["status"] = "completed"
+    return entry

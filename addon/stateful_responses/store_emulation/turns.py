@@ -117,6 +117,15 @@ class Tenant:
     def item_id_keys(self, item_id: str) -> list[bytes]:
         return [self.item_id_key(item_id), *(older.item_id_key(item_id) for older in self.older)]
 
+    def conversation_key(self, conversation_id: str) -> bytes:
+        """Where a conversation's log is, in this tenant only."""
+        return blake3(self.tag + b"conversation\x00" + conversation_id.encode("utf-8", "surrogatepass"),
+                      key=self._secret).digest(KEY_SIZE)
+
+    def conversation_keys(self, conversation_id: str) -> list[bytes]:
+        return [self.conversation_key(conversation_id), *(older.conversation_key(conversation_id)
+                                                          for older in self.older)]
+
     def seal(self, data: bytes, key: bytes) -> bytes:
         nonce = random_bytes(_NONCE)
         return nonce + self._aead.encrypt(nonce, data, key)

@@ -1,0 +1,592 @@
+"""OpenAI's Conversations API, kept by the proxy for upstreams that lack it:
+conversations and their items in the state store, sealed per tenant like
+recorded turns; the API's endpoints answered from them; a response made in a
+conversation expanded into the conversation's items + its input, and its
+input and output appended once it completes.
+
+One append-only log per conversation (``state.storage``: the store numbers
+each append inside the transaction that writes it): the first entry creates
+the conversation (id, time, metadata, first items), each later one adds
+items, removes one, or replaces the metadata. Nothing is rewritten in place,
+so two responses that complete at once on one conversation, on one proxy or
+on two, both append, in the order the store took them, and neither is lost.
+A conversation is its log replayed; a log missing an entry (evicted by the
+store's bounds, expired) is gone, never served with a hole. Deleting a
+conversation drops its log whole.
+
+Every entry is sealed (``turns.Tenant``) with the log's key bound in: an entry
+copied into another conversation or tenant does not open. In clear: the log's
+key (a keyed hash), its length, sizes and expiry times.
+
+Pure: reads go through the ``get`` the glue passes in, writes leave through an
+outbox, and every answer is a status and a JSON body.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
+
+import msgspec
+
+from ..bounded import Bounded
+from ..entropy import random_bytes
+from ..items import Ambiguous, strict_loads
+from ..settings import Config
+from ..state.outbox import Outbox, Write
+from ..state.storage import log_entry, log_length
+from .history import RENEW_SLACK, GetRecords, listed_item
+from .turns import Tenant
+
+CONVERSATIONS = "conversations"  # conversation key -> its log (see state.storage)
+MAX_ITEMS_PER_REQUEST = 20  # the API's limit on creating and on adding items
+MAX_METADATA_PAIRS = 16
+MAX_ITEMS = 10_000  # items one conversation holds at most (the proxy's bound, not the API's)
+MAX_ENTRIES = 20_000  # entries of one conversation's log at most: its appends, removals and metadata changes
+PREFETCH = 32  # log entries asked for with the length, on the chance they are there (one round trip)
+CACHE_BYTES = 64 * 1024 * 1024  # conversations kept in memory, their items' bytes at most
+ID_BYTES = 24  # random bytes in an id the proxy mints: as long as OpenAI's, and never the upstream's
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+
+# The API's paths under a base URL, and which endpoint a method on each is.
+PATH = re.compile(r"^(?P<base>.*?)/conversations(?:/(?P<conversation>[^/]+)(?P<items>/items(?:/(?P<item>[^/]+))?)?)?/?$")
+ENDPOINTS = {
+    ("POST", "conversations"): "create", ("GET", "conversation"): "retrieve", ("POST", "conversation"): "update",
+    ("DELETE", "conversation"): "delete", ("POST", "items"): "add_items", ("GET", "items"): "list_items",
+    ("GET", "item"): "retrieve_item", ("DELETE", "item"): "delete_item",
+}
+
+
+class ApiError(Exception):
+    """A refusal, as the API words it: its status and body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
+
+
+def not_found(conversation_id: object) -> ApiError:
+    return ApiError(404, f"Conversation with id '{conversation_id}' not found.")
+
+
+def mutually_exclusive() -> ApiError:
+    """``conversation`` with ``previous_response_id``, worded (the names cut
+    short) as the API words it, before any conversation is looked up."""
+    return ApiError(400, "Mutually exclusive parameters: ''. Ensure you are only providing one of: 'pre..._id' or"
+                         " 'conversation'.", code="mutually_exclusive_parameters")
+
+
+def background_refused() -> ApiError:
+    """A background response would complete where the proxy cannot see it:
+    it could never join the conversation."""
+    return ApiError(400, "Unsupported parameter: 'background' is not supported with a conversation this proxy "
+                         "keeps for an upstream without the Conversations API.", param="background",
+                    code="unsupported_parameter")
+
+
+def too_large(conversation_id: str, param: str) -> ApiError:
+    return ApiError(400, f"Conversation '{conversation_id}' is full: this proxy keeps at most {MAX_ITEMS} items "
+                         f"and {MAX_ENTRIES} changes per conversation. Start a new conversation.", param=param,
+                    code="conversation_too_large")
+
+
+def _unparsable() -> ApiError:
+    return ApiError(400, "We could not parse the JSON body of your request. (HINT: This likely means you aren't using"
+                         " your HTTP library correctly. The OpenAI API expects a JSON payload, but what was sent was"
+                         " not valid JSON.)")
+
+
+def _missing(param: str) -> ApiError:
+    return ApiError(400, f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
+
+
+def invalid_type(param: str, expected: str, value: object) -> ApiError:
+    kind = "null" if value is None else "a boolean" if isinstance(value, bool) else \
+        "an integer" if isinstance(value, int) else "a string" if isinstance(value, str) else \
+        "an array" if isinstance(value, list) else "an object" if isinstance(value, dict) else "a decimal number"
+    return ApiError(400, f"Invalid type for '{param}': expected {expected}, but got {kind} instead.", param,
+                    "invalid_type")
+
+
+def _no_item(item_id: object, param: str | None = None) -> ApiError:
+    return ApiError(404, f"No item found with id '{item_id}'", param)
+
+
+def _invalid_limit(text: str) -> ApiError:
+    try:
+        number = int(text)
+    except ValueError:
+        return ApiError(400, f"Invalid 'limit': expected an integer, but got '{text}' instead.", "limit",
+                        "invalid_type")
+    if number < 1:
+        return ApiError(400, f"Invalid 'limit': integer below minimum value. Expected a value >= 1, but got {number}"
+                             " instead.", "limit", "integer_below_min_value")
+    return ApiError(400, f"Invalid 'limit': integer above maximum value. Expected a value <= 100, but got {number}"
+                         " instead.", "limit", "integer_above_max_value")
+
+
+# -- the log ----------------------------------------------------------------------------
+
+
+class Created(msgspec.Struct, tag="created", array_like=True, frozen=True):
+    conversation_id: str
+    created_at: int
+    metadata: bytes  # a JSON object
+    items: list[bytes]  # each as the API lists it
+
+
+class Added(msgspec.Struct, tag="added", array_like=True, frozen=True):
+    items: list[bytes]
+
+
+class Removed(msgspec.Struct, tag="removed", array_like=True, frozen=True):
+    item_id: str
+
+
+class Retagged(msgspec.Struct, tag="retagged", array_like=True, frozen=True):
+    metadata: bytes
+
+
+Event = Created | Added | Removed | Retagged
+_EVENT = msgspec.msgpack.Decoder(Event)
+_PACK = msgspec.msgpack.Encoder().encode
+_JSON = msgspec.json.Encoder(decimal_format="number").encode
+
+
+class _Shape(msgspec.Struct):
+    id: Any = None
+    type: Any = None
+
+
+_SHAPE = msgspec.json.Decoder(_Shape)
+
+
+class Item(NamedTuple):
+    """One item of a conversation: its id and type, and its JSON as listed."""
+
+    id: str
+    type: str
+    raw: bytes
+
+    @classmethod
+    def of(cls, raw: bytes) -> Item:
+        shape = _SHAPE.decode(raw)
+        return cls(shape.id if isinstance(shape.id, str) else "", shape.type if isinstance(shape.type, str) else "",
+                   raw)
+
+    def shown(self, include: frozenset[str]) -> bytes:
+        """As the API shows it: a reasoning item's encrypted content only when asked for."""
+        if self.type != "reasoning" or ENCRYPTED_REASONING in include or b'"encrypted_content"' not in self.raw:
+            return self.raw
+        return _JSON({k: v for k, v in strict_loads(self.raw).items() if k != "encrypted_content"})
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A conversation as its log says, up to ``length`` entries."""
+
+    id: str
+    key: bytes  # where its log is
+    created_at: int
+    metadata: bytes
+    items: tuple[Item, ...]
+    length: int
+    size: int  # its items' bytes
+
+    def resource(self, metadata: bytes | None = None) -> bytes:
+        return b'{"id":' + _JSON(self.id) + b',"object":"conversation","created_at":' + _JSON(self.created_at) + \
+            b',"metadata":' + (metadata if metadata is not None else self.metadata) + b"}"
+
+    @property
+    def full(self) -> bool:
+        return len(self.items) >= MAX_ITEMS or self.length >= MAX_ENTRIES
+
+
+def _replayed(known: Conversation | None, conversation_id: str, key: bytes, events: list[Event],
+              length: int) -> Conversation | None:
+    """The conversation after ``events`` (those after ``known``, or all of
+    them); None when the log is not a conversation's: it must open with its
+    creation, of this very id."""
+    if known is not None and not events:
+        return known
+    if known is None:
+        if not events or not isinstance(events[0], Created) or events[0].conversation_id != conversation_id:
+            return None
+        first = events[0]
+        known = Conversation(conversation_id, key, first.created_at, first.metadata, (), 0, 0)
+        events = [Added(first.items), *events[1:]]
+    items, metadata = list(known.items), known.metadata
+    for event in events:
+        if isinstance(event, Added):
+            items += [Item.of(raw) for raw in event.items]
+        elif isinstance(event, Removed):
+            items = [item for item in items if item.id != event.item_id]
+        elif isinstance(event, Retagged):
+            metadata = event.metadata
+        else:
+            return None  # created twice: not a log this proxy wrote
+    return replace(known, metadata=metadata, items=tuple(items), length=length,
+                   size=sum(len(item.raw) for item in items))
+
+
+class _Recent:
+    """The conversations read lately, by log key, least recently used out
+    first, within a byte budget."""
+
+    def __init__(self, budget: int) -> None:
+        self._by_key: OrderedDict[bytes, Conversation] = OrderedDict()
+        self._bytes = 0
+        self._budget = budget
+
+    def get(self, key: bytes) -> Conversation | None:
+        conversation = self._by_key.get(key)
+        if conversation is not None:
+            self._by_key.move_to_end(key)
+        return conversation
+
+    def put(self, conversation: Conversation) -> None:
+        self.pop(conversation.key)
+        self._by_key[conversation.key] = conversation
+        self._bytes += conversation.size
+        while self._bytes > self._budget and len(self._by_key) > 1:
+            self._bytes -= self._by_key.popitem(last=False)[1].size
+
+    def pop(self, key: bytes) -> None:
+        gone = self._by_key.pop(key, None)
+        if gone is not None:
+            self._bytes -= gone.size
+
+    def clear(self) -> None:
+        self._by_key.clear()
+        self._bytes = 0
+
+
+# -- the store of conversations ------------------------------------------------------------
+
+Resolve = Callable[[list[str]], Awaitable[Mapping[str, bytes]]]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request to the Conversations API: its endpoint, the ids its path
+    names, its body and its query (name, value) pairs."""
+
+    endpoint: str
+    conversation_id: str = ""
+    item_id: str = ""
+    body: bytes = b""
+    query: tuple[tuple[str, str], ...] = ()
+
+
+def route(method: str, path: str) -> tuple[str, Call] | None:
+    """The base path and the call a request to one of the API's endpoints
+    makes (its body and query still to fill in), or None."""
+    match = PATH.match(path)
+    if match is None:
+        return None
+    names = "item" if match["item"] else "items" if match["items"] else \
+        "conversation" if match["conversation"] else "conversations"
+    endpoint = ENDPOINTS.get((method.upper(), names))
+    if endpoint is None:
+        return None
+    return match["base"], Call(endpoint, match["conversation"] or "", match["item"] or "")
+
+
+def named(value: Any) -> str:
+    """The id a response's ``conversation`` field names: the id, or ``{"id": …}``."""
+    conversation_id = value.get("id") if isinstance(value, dict) else value
+    if not isinstance(conversation_id, str):
+        raise invalid_type("conversation", "one of a string or an object", value)
+    return conversation_id
+
+
+@dataclass
+class Conversations:
+    """Every tenant's conversations: read fresh from the store whenever one is
+    used (another replica may have appended to it, or deleted it), memory
+    holding what was read so that only new entries are fetched."""
+
+    config: Config = field(default_factory=Config)
+    _recent: _Recent = field(default_factory=lambda: _Recent(CACHE_BYTES), repr=False)
+    _renewed: Bounded = field(default_factory=lambda: Bounded(4096), repr=False)  # log key -> kept until
+    _outbox: Outbox = field(default_factory=Outbox, repr=False)
+
+    tables = {CONVERSATIONS: 4_000_000}
+
+    @property
+    def keep(self) -> float:
+        """How long what is written now is kept: the TTL and a slack, so that
+        renewing a whole conversation is due once per slack, not on every use."""
+        return self.config.ttl + min(RENEW_SLACK, self.config.ttl / 10)
+
+    def take_writes(self) -> list[Write]:
+        return self._outbox.take()
+
+    def clear(self) -> None:
+        self._recent.clear()
+        self._renewed.clear()
+        self._outbox.clear()
+
+    # -- reading -----------------------------------------------------------------
+
+    async def find(self, tenant: Tenant, conversation_id: str, get: GetRecords) -> Conversation | None:
+        """The tenant's conversation as the store has it now, or None: unknown,
+        deleted, another tenant's, or no longer whole. One round trip when
+        memory holds what came before and a few entries were added since."""
+        keys = tenant.conversation_keys(conversation_id)
+        known = next((c for key in keys if (c := self._recent.get(key)) is not None), None)
+        start = known.length if known is not None else 0
+        ahead = [log_entry(known.key if known is not None else keys[0], n) for n in range(start, start + PREFETCH)]
+        found = dict(await get(CONVERSATIONS, [*keys, *ahead]))
+        key = next((key for key in keys if key in found), None)
+        length = log_length(found.get(key)) if key is not None else 0
+        if key is None or not 0 < length <= 2 * MAX_ENTRIES:
+            return self._gone(keys)
+        if known is None or known.key != key or length < known.length:
+            known, start = None, 0
+        missing = [entry for n in range(start, length) if (entry := log_entry(key, n)) not in found]
+        if missing:
+            found.update(await get(CONVERSATIONS, missing))
+        events: list[Event] = []
+        for n in range(start, length):
+            sealed = found.get(log_entry(key, n))
+            plain = tenant.open(sealed, key) if sealed is not None else None
+            if plain is None:
+                return self._gone(keys)
+            try:
+                events.append(_EVENT.decode(plain))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return self._gone(keys)
+        conversation = _replayed(known, conversation_id, key, events, length)
+        if conversation is None:
+            return self._gone(keys)
+        self._recent.put(conversation)
+        return conversation
+
+    def _gone(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self._recent.pop(key)
+            self._renewed.pop(key, None)
+
+    # -- writing -----------------------------------------------------------------
+
+    def create(self, tenant: Tenant, items: list[bytes], metadata: bytes) -> Conversation:
+        conversation_id = "conv_" + random_bytes(ID_BYTES).hex()
+        key = tenant.conversation_key(conversation_id)
+        now = self.config.clock()
+        conversation = Conversation(conversation_id, key, int(now), metadata, tuple(Item.of(raw) for raw in items),
+                                    1, sum(map(len, items)))
+        self._write(tenant, key, Created(conversation_id, int(now), metadata, items), "start")
+        self._recent.put(conversation)
+        self._renewed.put(key, now + self.keep)
+        return conversation
+
+    def add(self, tenant: Tenant, conversation: Conversation, items: list[bytes]) -> None:
+        """Append items; the store numbers them after whatever was appended meanwhile."""
+        self._write(tenant, conversation.key, Added(items), "append")
+
+    def remove(self, tenant: Tenant, conversation: Conversation, item_id: str) -> None:
+        self._write(tenant, conversation.key, Removed(item_id), "append")
+
+    def retag(self, tenant: Tenant, conversation: Conversation, metadata: bytes) -> None:
+        self._write(tenant, conversation.key, Retagged(metadata), "append")
+
+    def delete(self, conversation: Conversation) -> None:
+        self._outbox.append(Write(CONVERSATIONS, conversation.key, None, log="drop"))
+        self._gone([conversation.key])
+
+    def _write(self, tenant: Tenant, key: bytes, event: Event, log: str) -> None:
+        self._outbox.append(Write(CONVERSATIONS, key, tenant.seal(_PACK(event), key), self.keep, log=log))  # type: ignore[arg-type]
+
+    def renew(self, conversation: Conversation) -> None:
+        """Every use keeps the conversation at least the TTL from now: its
+        whole log is touched once per slack."""
+        now = self.config.clock()
+        if self._renewed.get(conversation.key, 0.0) >= now + self.config.ttl:
+            return
+        for key in (conversation.key, *(log_entry(conversation.key, n) for n in range(conversation.length))):
+            self._outbox.append(Write(CONVERSATIONS, key, None, self.keep, touch=True))
+        self._renewed.put(conversation.key, now + self.keep)
+
+    # -- the API's endpoints ---------------------------------------------------------------
+
+    async def answer(self, tenant: Tenant, call: Call, conversation: Conversation | None,
+                     resolve: Resolve) -> tuple[int, bytes]:
+        """The API's answer to ``call``, on ``conversation`` (None only for
+        ``create``), as a status and a JSON body; changes go to the outbox."""
+        try:
+            if call.endpoint == "create":
+                body = _object(call.body)
+                metadata = _metadata(body.get("metadata"))
+                created = self.create(tenant, await _new_items(body.get("items"), (), resolve), metadata)
+                return 200, created.resource()
+            if conversation is None:
+                raise not_found(call.conversation_id)
+            if call.endpoint != "delete":
+                self.renew(conversation)
+            return 200, await getattr(self, "_" + call.endpoint)(tenant, call, conversation, resolve)
+        except ApiError as e:
+            return e.status, json.dumps(e.body).encode()
+
+    async def _retrieve(self, tenant: Tenant, call: Call, conversation: Conversation, resolve: Resolve) -> bytes:
+        return conversation.resource()
+
+    async def _update(self, tenant: Tenant, call: Call, conversation: Conversation, resolve: Resolve) -> bytes:
+        body = _object(call.body)
+        if "metadata" not in body:
+            raise _missing("metadata")
+        metadata = _metadata(body["metadata"])
+        if conversation.length >= MAX_ENTRIES:
+            raise too_large(conversation.id, "metadata")
+        self.retag(tenant, conversation, metadata)
+        return conversation.resource(metadata)
+
+    async def _delete(self, tenant: Tenant, call: Call, conversation: Conversation, resolve: Resolve) -> bytes:
+        self.delete(conversation)
+        return _JSON({"id": conversation.id, "object": "conversation.deleted", "deleted": True})
+
+    async def _add_items(self, tenant: Tenant, call: Call, conversation: Conversation, resolve: Resolve) -> bytes:
+        body = _object(call.body)
+        if "items" not in body:
+            raise _missing("items")
+        items = await _new_items(body["items"], conversation.items, resolve)
+        if conversation.full or len(conversation.items) + len(items) > MAX_ITEMS:
+            raise too_large(conversation.id, "items")
+        self.add(tenant, conversation, items)
+        include = _include(call.query)
+        return _listed([Item.of(raw).shown(include) for raw in items], [Item.of(raw).id for raw in items], False)
+
+    async def _list_items(self, tenant: Tenant, call: Call, conversation: Conversation, resolve: Resolve) -> bytes:
+        query = dict(call.query)
+        limit_text, order = query.get("limit", "20"), query.get("order", "desc")
+        if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+            raise _invalid_limit(limit_text)
+        if order not in ("asc", "desc"):
+            raise ApiError(400, f"Invalid value: '{order}'. Supported values are: 'asc' and 'desc'.", "order",
+                           "invalid_value")
+        items = conversation.items if order == "asc" else conversation.items[::-1]
+        start = 0
+        if "after" in query:
+            ids = [item.id for item in items]
+            if query["after"] not in ids:
+                raise _no_item(query["after"], "after")
+            start = ids.index(query["after"]) + 1
+        page = items[start:start + int(limit_text)]
+        include = _include(call.query)
+        return _listed([item.shown(include) for item in page], [item.id for item in page],
+                       len(items) > start + len(page))
+
+    async def _retrieve_item(self, tenant: Tenant, call: Call, conversation: Conversation, resolve: Resolve) -> bytes:
+        for item in conversation.items:
+            if item.id == call.item_id:
+                return item.shown(_include(call.query))
+        raise _no_item(call.item_id)
+
+    async def _delete_item(self, tenant: Tenant, call: Call, conversation: Conversation, resolve: Resolve) -> bytes:
+        """The item leaves the conversation; the API answers with the conversation."""
+        if not any(item.id == call.item_id for item in conversation.items):
+            raise _no_item(call.item_id)
+        if conversation.length >= MAX_ENTRIES:
+            raise too_large(conversation.id, "item_id")
+        self.remove(tenant, conversation, call.item_id)
+        return conversation.resource()
+
+    # -- responses in a conversation ---------------------------------------------------------
+
+    def join(self, tenant: Tenant, conversation: Conversation, raw_input: Sequence[bytes],
+             output: Sequence[Any]) -> None:
+        """A completed response joins its conversation: its input items (as
+        listed, each with an id of its own), then its output items."""
+        items = [_JSON(listed_item(strict_loads(raw), new_id)) for raw in raw_input]
+        items += [_JSON(item if isinstance(item, dict) and item.get("id") else listed_item(item, new_id))
+                  for item in output if isinstance(item, dict)]
+        self.add(tenant, conversation, items)
+
+
+def new_id(prefix: str) -> str:
+    """An id the proxy mints: random, as long as OpenAI's (which no upstream repeats)."""
+    return f"{prefix}_{random_bytes(ID_BYTES).hex()}"
+
+
+def _object(body: bytes) -> dict:
+    """A request body as the API takes it: a JSON object (nothing is none)."""
+    if not body.strip():
+        return {}
+    try:
+        parsed = strict_loads(body)
+    except (ValueError, Ambiguous, RecursionError):
+        raise _unparsable() from None
+    if not isinstance(parsed, dict):
+        raise _unparsable()
+    return parsed
+
+
+def _metadata(value: Any) -> bytes:
+    """Metadata as the API takes it: an object of at most 16 pairs; null is none."""
+    if value is None:
+        return b"{}"
+    if not isinstance(value, dict):
+        raise invalid_type("metadata", "a metadata object", value)
+    if len(value) > MAX_METADATA_PAIRS:
+        raise ApiError(400, f"Invalid 'metadata': too many properties. Expected an object with at most "
+                            f"{MAX_METADATA_PAIRS} properties, but got an object with {len(value)} properties "
+                            "instead.", "metadata", "object_above_max_properties")
+    return _JSON(value)
+
+
+def _is_reference(item: dict) -> bool:
+    """``{"type": "item_reference", "id": …}``, or an id alone (no type, no role)."""
+    return item.get("type") == "item_reference" or (item.get("type") is None and "id" in item and "role" not in item)
+
+
+async def _new_items(raw: Any, present: Sequence[Item], resolve: Resolve) -> list[bytes]:
+    """The items a request adds, as the conversation keeps them: each typed,
+    with an id; a reference is the item it names (``resolve``). An item
+    already in the conversation refuses the request."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise invalid_type("items", "an array of input items", raw)
+    if len(raw) > MAX_ITEMS_PER_REQUEST:
+        raise ApiError(400, f"Invalid 'items': array too long. Expected an array with maximum length "
+                            f"{MAX_ITEMS_PER_REQUEST}, but got an array with length {len(raw)} instead.", "items",
+                       "array_above_max_length")
+    for index, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise invalid_type(f"items[{index}]", "an input item", item)
+    present_ids = {item.id for item in present}
+    references = [item["id"] for item in raw if _is_reference(item) and isinstance(item.get("id"), str)]
+    found = await resolve(references) if references else {}
+    kept = []
+    for item in raw:
+        if _is_reference(item):
+            if item.get("id") in present_ids:
+                raise ApiError(400, "Item already in conversation", "items", "item_already_in_conversation")
+            stored = found.get(item.get("id"))  # type: ignore[arg-type]
+            if stored is None:
+                raise ApiError(404, f"Item with id '{item.get('id')}' not found.", "items")
+            kept.append(_JSON(listed_item(strict_loads(stored), new_id)))
+        elif item.get("type") == "reasoning" and not item.get("id") and not item.get("encrypted_content"):
+            raise ApiError(400, "Invalid item", "item", "invalid_item")
+        else:
+            kept.append(_JSON(listed_item(item, new_id)))
+    if any(Item.of(raw).id in present_ids for raw in kept):
+        raise ApiError(400, "Item already in conversation", "items", "item_already_in_conversation")
+    return kept
+
+
+def _include(query: Iterable[tuple[str, str]]) -> frozenset[str]:
+    """``include`` as the openai SDK sends it (``include[]=…``, repeated), or plain."""
+    return frozenset(value for name, value in query if name in ("include", "include[]"))
+
+
+def _listed(shown: list[bytes], ids: list[str], has_more: bool) -> bytes:
+    """The API's list envelope; an empty page has null ids."""
+    return b'{"object":"list","data":[' + b",".join(shown) + b'],"first_id":' + \
+        _JSON(ids[0] if ids else None) + b',"last_id":' + _JSON(ids[-1] if ids else None) + \
+        b',"has_more":' + _JSON(has_more) + b"}"

@@ -1,0 +1,245 @@
+"""Conversations kept by the proxy (store_emulation/conversations.py), the
+pure core alone over a real storage backend: the API's answers, appends that
+are never lost, tenants, seals, deletion, renewal and bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from stateful_responses.settings import Config
+from stateful_responses.state.addon import _apply
+from stateful_responses.state.storage import log_entry
+from stateful_responses.state.storage.memory import MemoryStorage
+from stateful_responses.store_emulation import conversations as module
+from stateful_responses.store_emulation.conversations import CONVERSATIONS, Call, Conversations
+from stateful_responses.store_emulation.turns import Tenant
+
+SECRET = bytes(32)
+ALICE = Tenant.of(SECRET, b"Bearer sk-alice")
+MALLORY = Tenant.of(SECRET, b"Bearer sk-mallory")
+
+
+async def nothing_referenced(ids: list[str]) -> dict[str, bytes]:
+    return {}
+
+
+class Replica:
+    """One proxy's conversations over a shared store, its writes applied as the state store's writer applies them."""
+
+    def __init__(self, storage: MemoryStorage, config: Config | None = None) -> None:
+        self.storage = storage
+        self.conversations = Conversations(config or Config())
+
+    async def call(self, endpoint: str, tenant: Tenant = ALICE, conversation_id: str = "", item_id: str = "",
+                   body: dict | None = None, query: tuple = (), resolve=nothing_referenced) -> tuple[int, dict]:
+        conversation = await self.find(conversation_id, tenant) if conversation_id else None
+        status, answer = await self.conversations.answer(
+            tenant, Call(endpoint, conversation_id, item_id, json.dumps(body).encode() if body is not None else b"",
+                         query), conversation, resolve)
+        await self.flush()
+        return status, json.loads(answer)
+
+    async def find(self, conversation_id: str, tenant: Tenant = ALICE):
+        return await self.conversations.find(tenant, conversation_id, self.storage.get)
+
+    async def flush(self) -> None:
+        await _apply(self.storage, self.conversations.take_writes())
+
+
+@pytest.fixture
+def storage() -> MemoryStorage:
+    return MemoryStorage()
+
+
+async def created(replica: Replica, texts: list[str], metadata: dict | None = None) -> str:
+    status, answer = await replica.call("create", body={"items": [{"role": "user", "content": t} for t in texts],
+                                                        **({"metadata": metadata} if metadata else {})})
+    assert status == 200, answer
+    return answer["id"]
+
+
+def texts_of(items: list[dict]) -> list[str]:
+    return [item["content"][0]["text"] for item in items]
+
+
+async def test_a_conversation_is_created_read_back_cold_and_its_items_listed_as_the_api_lists_them(storage):
+    writer, reader = Replica(storage), Replica(storage)
+    status, answer = await writer.call("create", body={"metadata": {"topic": "demo"},
+                                                       "items": [{"role": "user", "content": "one"},
+                                                                 {"type": "message", "role": "assistant",
+                                                                  "content": "two"}]})
+    assert status == 200 and answer["object"] == "conversation" and answer["metadata"] == {"topic": "demo"}
+    assert answer["id"].startswith("conv_") and len(answer["id"]) == len("conv_") + 2 * module.ID_BYTES
+    assert await reader.call("retrieve", conversation_id=answer["id"]) == (200, answer)
+    status, listed = await reader.call("list_items", conversation_id=answer["id"], query=(("order", "asc"),))
+    user, assistant = listed["data"]
+    assert user == {"id": user["id"], "type": "message", "role": "user", "status": "completed",
+                    "content": [{"type": "input_text", "text": "one"}]}
+    assert assistant["content"] == [{"type": "output_text", "text": "two", "annotations": []}]
+    assert user["id"].startswith("msg_") and (listed["first_id"], listed["last_id"]) == (user["id"], assistant["id"])
+
+
+async def test_responses_joining_at_once_on_two_replicas_are_all_kept_in_the_stores_order(storage):
+    """The appends race: each replica read the conversation before either
+    wrote. Both turns are kept, whole, once each; every replica then reads the
+    same conversation."""
+    left, right = Replica(storage), Replica(storage)
+    conversation_id = await created(left, ["hello"])
+    seen_left, seen_right = await left.find(conversation_id), await right.find(conversation_id)
+    for n in range(5):
+        left.conversations.join(ALICE, seen_left, [json.dumps({"role": "user", "content": f"L{n}"}).encode()],
+                                [{"type": "message", "id": f"msg_l{n}", "role": "assistant", "status": "completed",
+                                  "content": [{"type": "output_text", "text": f"l{n}", "annotations": []}]}])
+        right.conversations.join(ALICE, seen_right, [json.dumps({"role": "user", "content": f"R{n}"}).encode()],
+                                 [{"type": "message", "id": f"msg_r{n}", "role": "assistant", "status": "completed",
+                                   "content": [{"type": "output_text", "text": f"r{n}", "annotations": []}]}])
+        await asyncio.gather(left.flush(), right.flush())
+    both = [await replica.find(conversation_id) for replica in (left, right, Replica(storage))]
+    assert both[0].items == both[1].items == both[2].items
+    texts = [json.loads(item.raw)["content"][0]["text"] for item in both[0].items]
+    assert texts[0] == "hello" and len(texts) == 21 and len({item.id for item in both[0].items}) == 21
+    for side in ("L", "l", "R", "r"):
+        assert [t for t in texts if t[0] == side] == [f"{side}{n}" for n in range(5)]
+    turns = [texts[i:i + 2] for i in range(1, 21, 2)]
+    assert all(answer == question.lower() for question, answer in turns)  # a turn's input and output stay together
+
+
+async def test_a_conversation_belongs_to_its_tenant_and_its_entries_open_nowhere_else(storage):
+    alice = Replica(storage)
+    conversation_id = await created(alice, ["alice's secret"])
+    assert await alice.call("retrieve", MALLORY, conversation_id) == (404, {"error": {
+        "message": f"Conversation with id '{conversation_id}' not found.", "type": "invalid_request_error",
+        "param": None, "code": None}})
+    other_id = await created(alice, ["another"])
+    stolen, victim = ALICE.conversation_key(conversation_id), ALICE.conversation_key(other_id)
+    entry = (await storage.get(CONVERSATIONS, [log_entry(stolen, 0)]))[log_entry(stolen, 0)]
+    await storage.put(CONVERSATIONS, {log_entry(victim, 0): entry}, 60)  # moved into another conversation's log
+    assert await Replica(storage).find(other_id) is None
+    assert b"alice's secret" not in b"".join((await storage.scan(CONVERSATIONS)).values())
+
+
+async def test_a_deleted_conversation_is_gone_for_a_replica_that_still_remembers_it(storage):
+    left, right = Replica(storage), Replica(storage)
+    conversation_id = await created(left, ["hello"])
+    assert await right.find(conversation_id) is not None
+    assert (await left.call("delete", conversation_id=conversation_id))[1] == {
+        "id": conversation_id, "object": "conversation.deleted", "deleted": True}
+    assert await right.find(conversation_id) is None
+    assert await storage.scan(CONVERSATIONS) == {}
+    assert (await right.call("list_items", conversation_id=conversation_id))[0] == 404
+
+
+async def test_a_conversation_missing_an_entry_is_gone_never_served_with_a_hole(storage):
+    replica = Replica(storage)
+    conversation_id = await created(replica, ["one"])
+    await replica.call("add_items", conversation_id=conversation_id, body={"items": [{"role": "user",
+                                                                                       "content": "two"}]})
+    await storage.delete(CONVERSATIONS, [log_entry(ALICE.conversation_key(conversation_id), 0)])  # evicted
+    assert await Replica(storage).find(conversation_id) is None
+
+
+async def test_items_are_added_removed_and_metadata_replaced_through_the_log(storage):
+    writer = Replica(storage)
+    conversation_id = await created(writer, ["keep", "drop"], metadata={"a": "1"})
+    status, added = await writer.call("add_items", conversation_id=conversation_id, body={"items": [
+        {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "ok"}]})
+    assert status == 200 and [i["id"][:3] for i in added["data"]] == ["fc_", "fco"] and added["has_more"] is False
+    listed = (await writer.call("list_items", conversation_id=conversation_id, query=(("order", "asc"),)))[1]
+    drop = listed["data"][1]["id"]
+    assert (await writer.call("delete_item", conversation_id=conversation_id, item_id=drop))[1]["id"] == \
+        conversation_id
+    updated = (await writer.call("update", conversation_id=conversation_id, body={"metadata": {"b": "2"}}))[1]
+    assert updated["metadata"] == {"b": "2"}
+    reader = Replica(storage)
+    conversation = await reader.find(conversation_id)
+    assert json.loads(conversation.metadata) == {"b": "2"}
+    assert [item.type for item in conversation.items] == ["message", "function_call", "function_call_output"]
+    assert (await reader.call("retrieve_item", conversation_id=conversation_id, item_id=drop))[0] == 404
+
+
+async def test_list_pages_and_refusals_are_the_apis(storage):
+    replica = Replica(storage)
+    conversation_id = await created(replica, [f"m{n}" for n in range(20)])
+    await replica.call("add_items", conversation_id=conversation_id,
+                       body={"items": [{"role": "user", "content": f"m{n}"} for n in range(20, 25)]})
+    first = (await replica.call("list_items", conversation_id=conversation_id))[1]
+    assert texts_of(first["data"]) == [f"m{n}" for n in range(24, 4, -1)] and first["has_more"] is True
+    page = (await replica.call("list_items", conversation_id=conversation_id,
+                               query=(("limit", "7"), ("after", first["data"][6]["id"]))))[1]
+    assert page["data"] == first["data"][7:14]
+    for query, code in ((("limit", "0"),), "integer_below_min_value"), ((("limit", "101"),), "integer_above_max_value"), \
+                       ((("order", "newest"),), "invalid_value"):
+        status, error = await replica.call("list_items", conversation_id=conversation_id, query=query)
+        assert status == 400 and error["error"]["code"] == code
+    status, error = await replica.call("list_items", conversation_id=conversation_id, query=(("after", "msg_x"),))
+    assert (status, error["error"]["message"], error["error"]["param"]) == (404, "No item found with id 'msg_x'",
+                                                                           "after")
+    status, error = await replica.call("create", body={"items": [{"role": "user", "content": "x"}] * 21})
+    assert (status, error["error"]["code"]) == (400, "array_above_max_length")
+    status, error = await replica.call("create", body={"metadata": {f"k{n}": "v" for n in range(17)}})
+    assert (status, error["error"]["code"]) == (400, "object_above_max_properties")
+    status, error = await replica.call("update", conversation_id=conversation_id, body={})
+    assert (status, error["error"]["code"]) == (400, "missing_required_parameter")
+    status, error = await replica.call("add_items", conversation_id=conversation_id,
+                                       body={"items": [{"type": "reasoning", "summary": []}]})
+    assert (status, error["error"]["code"]) == (400, "invalid_item")
+    status, error = await replica.call("add_items", conversation_id=conversation_id,
+                                       body={"items": [{"id": first["data"][0]["id"]}]})
+    assert (status, error["error"]["code"]) == (400, "item_already_in_conversation")
+
+
+async def test_a_reference_adds_the_item_it_names_and_an_unknown_one_is_refused(storage):
+    replica = Replica(storage)
+    conversation_id = await created(replica, [])
+    stored = {"type": "message", "id": "msg_stored", "role": "assistant", "status": "completed",
+              "content": [{"type": "output_text", "text": "from a response", "annotations": []}]}
+
+    async def resolve(ids: list[str]) -> dict[str, bytes]:
+        return {i: json.dumps(stored).encode() for i in ids if i == "msg_stored"}
+
+    status, added = await replica.call("add_items", conversation_id=conversation_id, resolve=resolve,
+                                       body={"items": [{"type": "item_reference", "id": "msg_stored"}]})
+    assert (status, added["data"]) == (200, [stored])
+    status, error = await replica.call("add_items", conversation_id=conversation_id, resolve=resolve,
+                                       body={"items": [{"type": "item_reference", "id": "msg_never"}]})
+    assert (status, error["error"]["message"]) == (404, "Item with id 'msg_never' not found.")
+
+
+async def test_encrypted_reasoning_is_shown_only_when_included(storage):
+    replica = Replica(storage)
+    conversation_id = await created(replica, [])
+    await replica.call("add_items", conversation_id=conversation_id,
+                       body={"items": [{"type": "reasoning", "summary": [], "encrypted_content": "opaque"}]})
+    plain = (await replica.call("list_items", conversation_id=conversation_id))[1]["data"][0]
+    included = (await replica.call("list_items", conversation_id=conversation_id,
+                                   query=(("include[]", "reasoning.encrypted_content"),)))[1]["data"][0]
+    assert "encrypted_content" not in plain and included["encrypted_content"] == "opaque"
+
+
+async def test_every_use_keeps_the_whole_conversation_the_ttl_from_then(storage):
+    now = [1_000_000.0]
+    config = Config(clock=lambda: now[0])
+    replica = Replica(storage, config)
+    conversation_id = await created(replica, ["hello"])
+    await replica.call("add_items", conversation_id=conversation_id, body={"items": [{"role": "user",
+                                                                                       "content": "more"}]})
+    assert not [w for w in replica.conversations.take_writes() if w.touch]  # just written: nothing due yet
+    now[0] += config.ttl / 10 + 1  # past the slack: the next use renews everything
+    conversation = await replica.find(conversation_id)
+    await replica.conversations.answer(ALICE, Call("retrieve", conversation_id), conversation, nothing_referenced)
+    touched = {w.key for w in replica.conversations.take_writes() if w.touch}
+    key = ALICE.conversation_key(conversation_id)
+    assert touched == {key, log_entry(key, 0), log_entry(key, 1)}
+
+
+async def test_a_full_conversation_refuses_more(storage, monkeypatch):
+    monkeypatch.setattr(module, "MAX_ITEMS", 3)
+    replica = Replica(storage)
+    conversation_id = await created(replica, ["one", "two"])
+    status, error = await replica.call("add_items", conversation_id=conversation_id,
+                                       body={"items": [{"role": "user", "content": n} for n in ("3", "4")]})
+    assert (status, error["error"]["code"]) == (400, "conversation_too_large")
+    assert len((await replica.find(conversation_id)).items) == 2
