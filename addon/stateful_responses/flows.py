@@ -26,6 +26,7 @@ CLIENT_BODY = "stateful_client_body"  # the client's body, when ours changed it
 CONTINUATION = "continuation"  # the flow's continuation record (seed 003)
 AUDIT = "audit"  # its protocolMapping audit
 EMULATION = "stateful_emulation"  # what store emulation did with the flow
+CONVERSATION = "stateful_conversation"  # {"id", "items", …}: a conversation the proxy keeps, expanded into the request
 ROUTED = "stateful_routed"  # {"upstream", "reason", "moved", …}: where the router sent it
 RETRY_OF = "stateful_retry_of"  # our own retry of the client's flow (its id)
 # flow.metadata key: an answer held back whole, so that the response hook can

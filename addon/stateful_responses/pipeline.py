@@ -18,7 +18,8 @@ from .replays import Replays
 from .router.addon import Router
 from .settings import Config
 from .state.addon import StateStore
-from .store_emulation.addon import StoreEmulation
+from .store_emulation.addon import ConversationEmulation, StoreEmulation
+from .store_emulation.conversations import Conversations
 from .store_emulation.history import History
 from .tenancy import Tenancy
 from .upstreams import Upstreams
@@ -30,18 +31,22 @@ def make_addons() -> list:
     reader = Reader(config, counters, tenancy)
     planner = Planner(config, counters, tenancy, upstreams, reader)
     history = History(config)
+    conversations = Conversations(config)
     index = ChainIndex(config)
-    state = StateStore(config, tenancy, upstreams, planner, history, index)
+    state = StateStore(config, tenancy, upstreams, planner, history, conversations, index)
     replays = Replays(counters)
     proofs = Proofs(upstreams, replays, state, counters)
     record = ContinuationRecord(config, counters, tenancy, reader, state, index)
     emulation = StoreEmulation(config, counters, tenancy, reader, upstreams, state, history, replays, proofs)
-    router = Router(config, counters, index, replays, emulation.full_history)
+    conversation_emulation = ConversationEmulation(config, counters, tenancy, reader, upstreams, state, history,
+                                                   conversations, proofs, emulation)
+    router = Router(config, counters, index, replays, conversation_emulation.full_history)
     return [
         Options(config),  # first: parses every option before the others configure
         state,
         record,  # lifts the client's own request, before any change
-        router,  # picks the upstream the next two plan for
+        router,  # picks the upstream the next three plan for
+        conversation_emulation,  # before store emulation: it records the expanded body
         emulation,  # before forward mode: it plans the expanded body
         ForwardMode(planner, state, replays, proofs),
         router.answers,  # fails over after the two above learned from the failed answer

@@ -53,6 +53,7 @@ class Reading:
     previous: Any  # previous_response_id as the client sent it (None: absent)
     raw_items: list[bytes] | None  # None: the input is a string
     digests: list[bytes]
+    conversation: Any = None  # as the client sent it (None: absent); read only when asked for
 
 
 @dataclass(frozen=True)
@@ -166,23 +167,27 @@ class Reader:
         """Read the next request afresh (the settings or the secret changed)."""
         self._last_read = None
 
-    def read(self, request: Request, *, count: bool = True) -> Reading | Skip:
+    def read(self, request: Request, *, count: bool = True, conversations: bool = False) -> Reading | Skip:
         """A Responses API request the addon may act on, read; or why it is
         left alone. The same request read again (the record, then forward
         mode) is read once: bytes are immutable, so the same object is the
-        same body."""
+        same body. A request in a conversation (``conversation``) is read
+        only for those who handle ``conversations``: the others must leave it
+        alone, as its context is not in its body."""
         last = self._last_read
         if last is not None and last[0] is request.body and last[1] == (request.url, request.method) \
                 and last[2] == credential_material(request) and isinstance(last[3], Reading):
             if count:
                 self.counters.requests += 1
+            if last[3].conversation is not None and not conversations:
+                return Skip("client uses a conversation", last[3].upstream, last[3].model)
             return last[3]
-        reading = self._read(request, count)
+        reading = self._read(request, count, conversations)
         if isinstance(reading, Reading):
             self._last_read = (request.body, (request.url, request.method), reading.credential, reading)
         return reading
 
-    def _read(self, request: Request, count: bool) -> Reading | Skip:
+    def _read(self, request: Request, count: bool, conversations: bool) -> Reading | Skip:
         s = self.config.settings
         if not s.enabled:
             return Skip("addon disabled")
@@ -211,7 +216,8 @@ class Reader:
             return Skip("no string model", upstream)
         if not s.model_matches(model):
             return Skip("model not in stateful_models", upstream, model)
-        if _present(body, "conversation"):
+        in_conversation = _present(body, "conversation")
+        if in_conversation and not conversations:
             return Skip("client uses a conversation", upstream, model)
         try:
             raw_items, digests = self._items(body.get("input"))
@@ -225,7 +231,7 @@ class Reader:
         credential = credential_material(request)
         scope, label = self.tenancy.scope(upstream, credential)
         return Reading(upstream, model, scope, label, credential, body, client_store, client_previous,
-                       raw_items, digests)
+                       raw_items, digests, _field(body, "conversation") if in_conversation else None)
 
     def _unambiguous_fields(self, body: dict[str, msgspec.Raw]) -> bool:
         """Every top-level value but the input (whose items are checked one by

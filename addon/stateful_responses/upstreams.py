@@ -8,8 +8,11 @@ for it by id: the proof every continuation needs, since an answer's
 store responses), ``no_forced_store`` (refuses a forced ``store: true``),
 ``honours_previous`` (answered a ``previous_response_id`` with its chain: it
 echoed the id, or billed more input than it was sent), ``refuses_previous``
-(refused or ignored a ``previous_response_id``). Each expires; setting one
-queues the write that shares it with every process using the store.
+(refused or ignored a ``previous_response_id``), ``has_conversations`` (it
+answered the Conversations API as the API does) and ``lacks_conversations``
+(it answered a Conversations endpoint 404/405, refused the ``conversation``
+field or ignored it). Each expires; setting one queues the write that shares
+it with every process using the store.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from .tenancy import Tenancy
 
 MARKS = "marks"  # kind + scope -> when it expires
 
-MarkKind = Literal["reads_back", "unsupported", "no_forced_store", "honours_previous", "refuses_previous"]
+MarkKind = Literal["reads_back", "unsupported", "no_forced_store", "honours_previous", "refuses_previous",
+                   "has_conversations", "lacks_conversations"]
 MARK_KINDS = frozenset(MarkKind.__args__)  # type: ignore[attr-defined]
 
 # Answers that say "not now", not "not this": the client's SDK retries them and

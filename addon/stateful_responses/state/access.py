@@ -25,6 +25,6 @@ class StateAccess(Protocol):
     def flush(self) -> asyncio.Future | None:
         """Queue every outbox for the store; the future is done once written."""
 
-    async def written(self, done: asyncio.Future | None, timeout: float = ...) -> None:
+    async def written(self, done: asyncio.Future | None, timeout: float = ...) -> bool:
         """Wait, ``timeout`` at most, until writes are durable and visible to
-        the other processes."""
+        the other processes; whether they are."""

@@ -88,7 +88,7 @@ class StateStore:
         while self._queue is not None and not self._queue.empty():
             batch, done = self._queue.get_nowait()
             writes += batch
-            done.set_result(None)
+            done.set_result(False)  # drained at shutdown, if at all: nobody may count on it
         return writes + [w for source in self.sources for w in source.take_writes()]
 
     @staticmethod
@@ -206,8 +206,8 @@ class StateStore:
         return records
 
     def flush(self) -> asyncio.Future | None:
-        """Queue every outbox for the store; the future is done once
-        written (or dropped: the store is down). None when nothing to write."""
+        """Queue every outbox for the store; the future is done once written
+        (True) or dropped (False: the store is down). None when nothing to write."""
         writes = [w for source in self.sources for w in source.take_writes()]
         if not writes or self._queue is None:
             return None
@@ -216,11 +216,13 @@ class StateStore:
         return done
 
     @staticmethod
-    async def written(done: asyncio.Future | None, timeout: float = FLUSH_WAIT) -> None:
+    async def written(done: asyncio.Future | None, timeout: float = FLUSH_WAIT) -> bool:
         """Wait, ``timeout`` at most, until writes are durable and visible to
-        the other processes."""
-        if done is not None:
-            await asyncio.wait({done}, timeout=timeout)
+        the other processes; whether they are (nothing to write: they are)."""
+        if done is None:
+            return True
+        await asyncio.wait({done}, timeout=timeout)
+        return done.done() and done.result() is True
 
     async def _write_loop(self) -> None:
         assert self._queue is not None
@@ -230,18 +232,20 @@ class StateStore:
             while not self._queue.empty():  # what queued meanwhile goes in the same few calls
                 more, also_done = self._queue.get_nowait()
                 writes, finished = writes + more, finished + [also_done]
+            durable = False
             try:
                 if self.up and self.storage is not None:
                     self._inflight = writes
                     await _apply(self.storage, writes)
                     self._worked()
+                    durable = True
             except StorageError as e:
                 self._failed(e)
             finally:
                 self._inflight = []
                 for future in finished:
                     if not future.done():
-                        future.set_result(None)
+                        future.set_result(durable)
 
     def _limits(self) -> dict[str, int]:
         """Records per table: what each source declares for a store on disk

@@ -40,6 +40,7 @@ from mitmproxy import exceptions, http
 from ..counters import Counters
 from ..flows import (
     CLIENT_BODY,
+    CONVERSATION,
     EMULATION,
     HELD,
     RETRY_OF,
@@ -62,6 +63,8 @@ from ..state.access import StateAccess
 from ..state.storage import StorageError
 from ..tenancy import Tenancy, credential_material
 from ..upstreams import TRANSIENT_STATUSES, Upstreams, echo_verdict
+from .conversations import ApiError, Call, Conversation, Conversations, background_refused, mutually_exclusive, \
+    named, not_found, route, too_large
 from .history import History, Turn, listed_items, response_json, string_input_item
 from .turns import Tenant, seal_key
 from .walk import ChainError
@@ -70,6 +73,8 @@ logger = logging.getLogger(__name__)
 
 NOT_FOUND_RETRY = 0.1  # a turn another proxy has just written may take this long to be visible
 RECORD_WAIT = 1.0  # an answer's end waits this long at most for its turn to be written
+ANSWER_WAIT = 10.0  # an answer the proxy makes itself waits this long at most to know its writes are durable
+CHANGES = frozenset({"create", "update", "delete", "add_items", "delete_item"})  # the endpoints that change something
 RENEWALS = 2  # chains renewed at once in the background
 LIST_PARAMETERS = frozenset({"limit", "order", "after", "before", "include", "include[]"})
 _RESOURCE = re.compile(r"^(?P<base>.*)/responses/(?P<id>[^/]+)(?P<items>/input_items)?/?$")
@@ -140,6 +145,20 @@ def _without_unreadable_reasoning(items: list[bytes]) -> tuple[list[bytes], int]
     return kept, len(items) - len(kept)
 
 
+def tenant_of(tenancy: Tenancy, credential: bytes) -> Tenant:
+    return Tenant.of(tenancy.secret, credential, seal_key=tenancy.seal_key, older_secrets=tenancy.older_secrets)
+
+
+async def referenced(history: History, tenant: Tenant, items: list[bytes], get) -> list[bytes]:
+    """``items`` with every ``item_reference`` to a recorded item replaced
+    by that item; references the record does not know stay."""
+    ids = {i: ref for i, raw in enumerate(items) if (ref := _reference_id(raw)) is not None}
+    if not ids:
+        return items
+    found = await history.referenced(tenant, list(ids.values()), get)
+    return [found.get(ids[i], raw) if i in ids else raw for i, raw in enumerate(items)]
+
+
 def _is_reasoning_by_id(raw: bytes) -> bool:
     try:
         item = json.loads(raw)
@@ -188,8 +207,7 @@ class StoreEmulation:
                            "stateful_seal_key_file (or STATEFUL_RESPONSES_SEAL_KEY) to protect them.")
 
     def _tenant(self, credential: bytes) -> Tenant:
-        t = self.tenancy
-        return Tenant.of(t.secret, credential, seal_key=t.seal_key, older_secrets=t.older_secrets)
+        return tenant_of(self.tenancy, credential)
 
     # -- requests ------------------------------------------------------------------
 
@@ -283,13 +301,7 @@ class StoreEmulation:
         return body, dropped
 
     async def _referenced(self, tenant: Tenant, items: list[bytes]) -> list[bytes]:
-        """``items`` with every ``item_reference`` to a recorded item replaced
-        by that item; references the record does not know stay."""
-        ids = {i: ref for i, raw in enumerate(items) if (ref := _reference_id(raw)) is not None}
-        if not ids:
-            return items
-        found = await self.history.referenced(tenant, list(ids.values()), self.state.get_strict)
-        return [found.get(ids[i], raw) if i in ids else raw for i, raw in enumerate(items)]
+        return await referenced(self.history, tenant, items, self.state.get_strict)
 
     async def _resolve_references(self, flow: http.HTTPFlow, reading: Reading, record: _Flow) -> None:
         try:
@@ -298,7 +310,7 @@ class StoreEmulation:
             return
         if resolved == record.raw_input:
             return
-        flow.metadata[CLIENT_BODY] = record.client.raw_content
+        flow.metadata.setdefault(CLIENT_BODY, record.client.raw_content)  # a conversation expanded may have set it
         flow.metadata[EMULATION] = {"references_expanded": True}
         flow.request.content = splice(record.client.raw_content or b"", reading.fields,
                                       {"input": b"[" + b",".join(resolved) + b"]"})
@@ -538,6 +550,8 @@ class StoreEmulation:
             return
         if not isinstance(response.get("id"), str) or not response["id"]:
             return
+        if (conversation := client_flow(flow).metadata.get(CONVERSATION)) is not None:
+            response = {**response, "conversation": {"id": conversation["id"]}}  # as the API keeps it
         sent_previous = record.previous_response_id if record.expanded is None else None
         stored = response.get("store")
         verdict = None
@@ -594,3 +608,345 @@ def _refused(flow: http.HTTPFlow, record: _Flow) -> bool:
     return (400 <= status < 500 and status not in TRANSIENT_STATUSES
             and _names_the_refusal(flow.response.raw_content or b"", record.previous_response_id))
 
+
+
+# -- conversations -------------------------------------------------------------------
+
+
+@dataclass
+class _InConversation:
+    """What conversation emulation keeps about a flow between its hooks: a
+    response in a conversation the proxy keeps (``conversation``), or a
+    request passed upstream whose answer shows whether the upstream has the
+    API (``judged``)."""
+
+    tenant: Tenant
+    credential: bytes
+    scope: str
+    label: str
+    conversation_id: str
+    conversation: Conversation | None = None
+    raw_input: list[bytes] = field(default_factory=list)  # the client's input items, references resolved
+    expanded: bytes | None = None  # the body sent instead
+    judged: Call | None = None  # an endpoint's call, or a response's (endpoint "response")
+    reader: AnswerReader | None = None
+    joined: bool = False
+    written: asyncio.Future | None = field(default=None, repr=False)
+
+
+def _api_answer(status: int, body: bytes) -> http.Response:
+    return http.Response.make(status, body, {"Content-Type": "application/json"})
+
+
+def _api_error(error: ApiError) -> http.Response:
+    return _json_response(error.status, error.body)
+
+
+class ConversationEmulation:
+    """OpenAI's Conversations API where the upstream lacks it: the
+    ``/conversations…`` endpoints answered from the record, and a response's
+    ``conversation`` expanded into the conversation's items + its input (which
+    it joins once it completes, before its answer's end reaches the client).
+
+    ``always``: the proxy is the API, and never sends ``conversation``
+    upstream. ``auto``: a conversation the proxy keeps is the proxy's; any
+    other request passes upstream until that upstream + credential shows it
+    lacks the API (a 404/405 from an endpoint, a refusal naming
+    ``conversation``, an answer that does not echo it), and that answer is
+    replaced by the proxy's own, invisibly, from then on for every request.
+    Listed before StoreEmulation, which then records the expanded request as
+    any full-history one (retrieve, input_items and ``previous_response_id``
+    work on it), and ForwardMode, which may send it as a delta."""
+
+    def __init__(self, config: Config, counters: Counters, tenancy: Tenancy, reader: Reader, upstreams: Upstreams,
+                 state: StateAccess, history: History, conversations: Conversations, proofs: Proofs,
+                 emulation: StoreEmulation) -> None:
+        self.config = config
+        self.counters = counters
+        self.tenancy = tenancy
+        self.reader = reader
+        self.upstreams = upstreams
+        self.state = state
+        self.history = history
+        self.conversations = conversations
+        self.proofs = proofs
+        self.emulation = emulation
+        self._flows: PerFlow[_InConversation] = PerFlow()
+
+    @property
+    def mode(self) -> str:
+        return self.config.settings.emulate
+
+    def _proxy_is_the_api(self, scope: str) -> bool:
+        return self.mode == "always" or self.upstreams.has("lacks_conversations", scope)
+
+    # -- requests ------------------------------------------------------------------
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        if self.mode == "off" or flow.metadata.get(RETRY_OF) is not None or flow.response is not None:
+            return
+        try:
+            url = urlsplit(flow.request.url)
+            routed = route(flow.request.method, url.path)
+            if routed is not None and self.config.settings.url_matches(flow.request.url):
+                await self.state.ready()
+                await self._endpoint(flow, *routed)
+            elif flow.request.method.upper() == "POST" and url.path.rstrip("/").endswith("/responses"):
+                await self.state.ready()
+                await self._response(flow)
+        except StorageError:
+            pass  # the record is out of reach: the request goes as the client sent it
+        except Exception:
+            internal_error(self.counters, "emulating a conversation")
+
+    async def _endpoint(self, flow: http.HTTPFlow, base: str, call: Call) -> None:
+        url = urlsplit(flow.request.url)
+        pairs = parse_qsl(url.query, keep_blank_values=True)
+        # The query string is credential material (gateways take keys there), except the list's own parameters.
+        request = dataclasses.replace(request_of(flow), url=urlunsplit(url._replace(query=urlencode(
+            [(k, v) for k, v in pairs if k not in LIST_PARAMETERS]))))
+        credential = credential_material(request)
+        scope, label = self.tenancy.scope(f"{url.scheme}://{url.netloc}{base}", credential)
+        call = dataclasses.replace(call, body=flow.request.get_content(strict=False) or b"",
+                                   query=tuple((k, v) for k, v in pairs if k in LIST_PARAMETERS))
+        record = _InConversation(tenant_of(self.tenancy, credential), credential, scope, label, call.conversation_id)
+        proxy_is_the_api = self._proxy_is_the_api(scope)
+        if call.endpoint != "create":
+            record.conversation = await self._find(record, learn_secrets=proxy_is_the_api)
+        if record.conversation is None and not proxy_is_the_api:
+            self._judge_answer(flow, record, call)
+            return
+        await self._answer(flow, record, call)
+
+    async def _answer(self, flow: http.HTTPFlow, record: _InConversation, call: Call) -> bool:
+        """Answer ``call`` as the API; False, leaving the flow as it was, when
+        what it changed could not be made durable (the store is down): the
+        client must never hold an id or an answer the store does not."""
+        resolve = lambda ids: self.history.referenced(record.tenant, ids, self.state.get_strict)  # noqa: E731
+        status, body = await self.conversations.answer(record.tenant, call, record.conversation, resolve)
+        durable = await self.state.written(self.state.flush(), ANSWER_WAIT)
+        if status == 200 and call.endpoint in CHANGES and not durable:
+            self.conversations.clear()  # what memory holds of the change was never stored
+            return False
+        flow.response = _api_answer(status, body)
+        flow.metadata[CONVERSATION] = {"endpoint": call.endpoint, "status": status}
+        flow.comment = f"emulated: conversations {call.endpoint} answered by the proxy ({status})"
+        self._debug("answered conversations %s: %d", call.endpoint, status)
+        return True
+
+    async def _find(self, record: _InConversation, *, learn_secrets: bool) -> Conversation | None:
+        """The conversation the request names, if the proxy keeps it for this
+        tenant (StorageError when the store cannot say)."""
+        conversation = await self.conversations.find(record.tenant, record.conversation_id, self.state.get_strict)
+        if conversation is None and learn_secrets and await self.state.learn_secrets():
+            record.tenant = tenant_of(self.tenancy, record.credential)  # made under a secret new to this replica?
+            conversation = await self.conversations.find(record.tenant, record.conversation_id,
+                                                         self.state.get_strict)
+        return conversation
+
+    def _judge_answer(self, flow: http.HTTPFlow, record: _InConversation, call: Call) -> None:
+        """Pass the request upstream; unless that upstream + credential has
+        shown it has the API, its answer is held and judged (``_judge``)."""
+        if not self.upstreams.has("has_conversations", record.scope):
+            record.judged = call
+            self._flows.put(flow, record)
+
+    async def _response(self, flow: http.HTTPFlow) -> None:
+        client = flow.request.copy()
+        reading = self.reader.read(request_of(flow, client), count=False, conversations=True)
+        if isinstance(reading, Skip) or reading.conversation is None:
+            return
+        record = _InConversation(tenant_of(self.tenancy, reading.credential), reading.credential, reading.scope,
+                                 reading.label, "")
+        proxy_is_the_api = self._proxy_is_the_api(reading.scope)
+        try:
+            if reading.previous is not None:
+                raise mutually_exclusive()  # the API's answer whoever keeps the conversation
+            record.conversation_id = named(reading.conversation)
+        except ApiError as e:
+            if proxy_is_the_api or e.code == "mutually_exclusive_parameters":
+                self._refuse(flow, e)
+            return
+        record.conversation = await self._find(record, learn_secrets=proxy_is_the_api)
+        conversation = record.conversation
+        if conversation is None:
+            if proxy_is_the_api:
+                self._refuse(flow, not_found(record.conversation_id))
+            else:
+                self._judge_answer(flow, record, Call("response", record.conversation_id))
+            return
+        if reading.fields.get("background") is not None and bytes(reading.fields["background"]) == b"true":
+            self._refuse(flow, background_refused())
+            return
+        if conversation.full:
+            self._refuse(flow, too_large(conversation.id, "conversation"))
+            return
+        raw_input = reading.raw_items if reading.raw_items is not None \
+            else [string_input_item(bytes(reading.fields["input"]))]
+        record.raw_input = await referenced(self.history, record.tenant, raw_input, self.state.get_strict)
+        record.expanded, dropped = await self._expansion(reading, client, record)
+        self.conversations.renew(conversation)
+        self.state.flush()
+        flow.request.content = record.expanded
+        flow.metadata[CLIENT_BODY] = client.raw_content
+        flow.metadata[CONVERSATION] = {"id": conversation.id, "items": len(conversation.items),
+                                       "reasoning_dropped": dropped}
+        flow.comment = f"emulated: conversation {conversation.id} expanded ({len(conversation.items)} items)"
+        self._flows.put(flow, record)
+        self._debug("expanded conversation %s: %d items", conversation.id, len(conversation.items))
+
+    async def _expansion(self, reading: Reading, client: http.Request, record: _InConversation) -> tuple[bytes, int]:
+        """The client's body with the conversation's items in front of its
+        input and without ``conversation``, every other byte its own; how many
+        reasoning items an upstream that persists nothing could not read were
+        left out (see ``_without_unreadable_reasoning``)."""
+        assert record.conversation is not None
+        await self.proofs.settled(record.scope)
+        items = [item.raw for item in record.conversation.items]
+        dropped = 0
+        if not (self.upstreams.has("reads_back", record.scope) and reading.client_store is not False):
+            items, dropped = _without_unreadable_reasoning(items)
+        body = splice(client.raw_content or b"", reading.fields,
+                      {"input": b"[" + b",".join(items + record.raw_input) + b"]", "conversation": None})
+        return body, dropped
+
+    def _refuse(self, flow: http.HTTPFlow, error: ApiError) -> None:
+        flow.response = _api_error(error)
+        flow.metadata[CONVERSATION] = {"error": error.body["error"]["code"] or error.status}
+        flow.comment = f"emulated: conversation refused ({error.status})"
+
+    async def full_history(self, flow: http.HTTPFlow, client: http.Request) -> bytes | None:
+        """The client's request as full history, for a turn that must move to
+        another upstream: its conversation or its chain expanded; None when it
+        already is full history, or when the record cannot expand it."""
+        record = self._flows.get(flow)
+        if record is not None and record.expanded is not None:
+            return record.expanded
+        reading = self.reader.read(request_of(flow, client), count=False, conversations=True)
+        if isinstance(reading, Skip) or reading.conversation is None:
+            return await self.emulation.full_history(flow, client)
+        if self.mode == "off" or reading.previous is not None:
+            return None
+        try:
+            record = _InConversation(tenant_of(self.tenancy, reading.credential), reading.credential, reading.scope,
+                                     reading.label, named(reading.conversation))
+            record.conversation = await self._find(record, learn_secrets=False)
+            if record.conversation is None:
+                return None
+            record.raw_input = reading.raw_items if reading.raw_items is not None \
+                else [string_input_item(bytes(reading.fields["input"]))]
+            return (await self._expansion(reading, client, record))[0]
+        except (ApiError, StorageError):
+            return None
+
+    # -- answers -------------------------------------------------------------------
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        record = self._flows.get(client_flow(flow))
+        if record is None or flow.response is None:
+            return
+        try:
+            if record.judged is not None:
+                if flow.metadata.get(RETRY_OF) is None:
+                    hold(flow)  # the response hook may answer instead
+                return
+            if flow.response.status_code >= 300 or record.joined or flow.metadata.get(HELD):
+                return
+            reader = record.reader = AnswerReader(flow.response.headers.get("content-type", ""),
+                                                  flow.response.headers.get("content-encoding", ""),
+                                                  _length(flow.response))
+            keep_end_for_hooks(flow)  # the client holds the whole answer only once the conversation has it
+            downstream = flow.response.stream
+
+            def tap(chunk: bytes) -> bytes:
+                if not record.joined:
+                    reader.feed(chunk)  # never raises
+                    if reader.complete:
+                        self._join(record, reader)  # before these last bytes reach the client
+                return downstream(chunk) if callable(downstream) else chunk
+
+            flow.response.stream = tap
+        except Exception:
+            internal_error(self.counters, "tapping an answer to a conversation")
+
+    async def response(self, flow: http.HTTPFlow) -> None:
+        client = client_flow(flow)
+        record = self._flows.get(client)
+        if record is None or flow.response is None:
+            return
+        try:
+            if record.judged is not None:
+                if client is flow:
+                    await self._judge(flow, record, record.judged)
+            elif not record.joined and flow.response.status_code < 300:
+                reader = AnswerReader(flow.response.headers.get("content-type", ""),
+                                      flow.response.headers.get("content-encoding", ""))
+                reader.feed(flow.response.raw_content or b"")  # held or buffered: read it whole
+                self._join(record, reader)
+        except StorageError:
+            pass
+        except Exception:
+            internal_error(self.counters, "emulating a conversation")
+        if client is not flow or not flow.metadata.get(HELD) or record.judged is not None:
+            self._flows.pop(client)  # else another addon retries it next, and its retry joins
+        if end_still_to_come(flow):
+            await self.state.written(record.written, RECORD_WAIT)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        if flow.metadata.get(RETRY_OF) is None:
+            self._flows.pop(flow)
+
+    def _join(self, record: _InConversation, reader: AnswerReader) -> None:
+        """A completed response joins its conversation (a failed or
+        incomplete one adds nothing)."""
+        record.joined = True
+        response = reader.finish()
+        if record.conversation is None or not isinstance(response, dict) or response.get("status") != "completed":
+            return
+        self.conversations.join(record.tenant, record.conversation, record.raw_input, response.get("output") or [])
+        record.written = self.state.flush()
+        self._debug("appended a response to conversation %s", record.conversation.id)
+
+    async def _judge(self, flow: http.HTTPFlow, record: _InConversation, call: Call) -> None:
+        """The upstream's answer to a request about a conversation the proxy
+        does not keep: does that upstream + credential have the API? If it
+        lacks it, the proxy takes over: the answer is the proxy's own."""
+        assert flow.response is not None
+        status = flow.response.status_code
+        if status in TRANSIENT_STATUSES or status >= 500:
+            return  # says nothing about the API
+        body = flow.response.get_content(strict=False) or b""
+        if call.endpoint == "response" and status < 300:
+            reader = AnswerReader(flow.response.headers.get("content-type", ""), "")
+            reader.feed(body)
+            answer = reader.finish()
+            echoed = answer.get("conversation") if isinstance(answer, dict) else None
+            has = isinstance(echoed, dict) and echoed.get("id") == call.conversation_id or echoed == call.conversation_id
+        elif status < 300:
+            has = True
+        elif status == 404 and f"Conversation with id '{call.conversation_id}'".encode() in body:
+            has = True  # the API's own not found
+        elif status in (404, 405) or (call.endpoint == "response" and b"conversation" in body.lower()):
+            has = False
+        else:
+            return  # the request's own error
+        if has:
+            self.upstreams.mark("has_conversations", record.scope)
+            self.state.flush()
+            return
+        if self.upstreams.mark("lacks_conversations", record.scope):
+            logger.info("stateful-responses: %s lacks the Conversations API (%d); the proxy keeps conversations "
+                        "for it from now on", record.label, status)
+        self.state.flush()
+        if call.endpoint == "create":
+            answered = await self._answer(flow, record, call)
+        else:
+            answered = True
+            flow.response = _api_error(not_found(call.conversation_id))  # nobody keeps it
+        if answered:
+            flow.metadata[CONVERSATION] = {"taken_over_after": status}
+            flow.comment = f"emulated: the upstream lacks the Conversations API ({status}); answered by the proxy"
+
+    def _debug(self, msg: str, *args) -> None:
+        if self.config.settings.debug:
+            logger.info("stateful-responses: " + msg, *args)

@@ -1,0 +1,313 @@
+"""OpenAI's Conversations API kept by the proxy, through real mitmdump with
+the real openai SDK and openai-agents, in front of the emulator playing an
+upstream without the API (``absent``: it refuses the field; ``ignore``: it
+drops it) or with it (``auto`` passes through). On every request the context
+the model saw is compared with what the client meant: the conversation's
+items, as the API lists them, then the request's input."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import openai
+import pytest
+from driver import TOOLS, httpx, meaning
+
+KEY = "sk-test-key"
+WITHOUT_THE_API = ["absent", "ignore"]
+
+
+def log(emulator) -> list[dict]:
+    return emulator.model.snapshot_log()
+
+
+def sdk(proxy, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.url + "/v1", api_key=key, max_retries=0,
+                         http_client=httpx.Client(trust_env=False, timeout=30))
+
+
+def call(proxy, method: str, path: str, body=None, key: str = KEY) -> httpx.Response:
+    with httpx.Client(trust_env=False, timeout=30) as client:
+        return client.request(method, proxy.url + path, json=body, headers={"authorization": f"Bearer {key}"})
+
+
+def listed(client: openai.OpenAI, conversation_id: str) -> list[dict]:
+    """Every item of the conversation, oldest first, as the API lists them."""
+    return [item.model_dump(exclude_unset=True)
+            for item in client.conversations.items.list(conversation_id, order="asc", limit=100)]
+
+
+def respond(client: openai.OpenAI, stream: bool, **kwargs):
+    """One response, JSON or streamed: the final response either way."""
+    if not stream:
+        return client.responses.create(**kwargs)
+    with client.responses.stream(**kwargs) as events:
+        for _ in events:
+            pass
+        return events.get_final_response()
+
+
+def converse(client: openai.OpenAI, emulator, conversation_id: str, texts: list[str], stream: bool) -> int:
+    """User turns in a conversation, tool loops included, each request checked:
+    the model saw the conversation's items then the input (item for item, in
+    ``meaning``), and both joined the conversation. Returns the requests made."""
+    requests = 0
+    for text in texts:
+        new = [{"role": "user", "content": text}]
+        while True:
+            before = listed(client, conversation_id)
+            response = respond(client, stream, model="gpt-test", input=new, tools=TOOLS, conversation=conversation_id)
+            requests += 1
+            seen = log(emulator)[-1]
+            # In meaning: forward mode may send the request as a delta on what the upstream stored, in its spelling.
+            assert meaning(seen["context"]) == meaning(before + new), f"request {requests}: the model saw otherwise"
+            after = listed(client, conversation_id)
+            assert after[:len(before)] == before and len(after) == len(before) + len(new) + len(response.output)
+            assert [item["type"] for item in after[len(before):len(before) + len(new)]] == \
+                [item.get("type", "message") for item in new]
+            assert after[len(before) + len(new):] == seen["output"]  # as the upstream answered them
+            calls = [o for o in response.output if o.type == "function_call"]
+            if not calls:
+                break
+            new = [{"type": "function_call_output", "call_id": c.call_id, "output": "21C"} for c in calls]
+    return requests
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("upstream", WITHOUT_THE_API)
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_the_openai_sdk_keeps_its_conversation_where_the_upstream_lacks_the_api(emulator, start_proxy, mode,
+                                                                              upstream, stream):
+    emulator.model.control({"conversations": upstream})
+    proxy = start_proxy(emulator.url, "--set", f"stateful_emulate={mode}", "--set", "stateful_debug=true")
+    client = sdk(proxy)
+    conversation = client.conversations.create(items=[{"role": "developer", "content": "be brief"}],
+                                               metadata={"topic": "weather"})
+    assert conversation.id.startswith("conv_") and conversation.metadata == {"topic": "weather"}
+    texts = ["turn 0: hello", 'turn 1: call:get_weather({"city": "Oslo"})', "turn 2: thanks"]
+    assert converse(client, emulator, conversation.id, texts, stream) == 4
+    assert all(record["conversation"] is None for record in log(emulator))  # never sent upstream
+    added = client.conversations.items.create(conversation.id, items=[{"role": "user", "content": "a note"}])
+    assert client.conversations.items.retrieve(added.data[0].id, conversation_id=conversation.id) == added.data[0]
+    client.conversations.items.delete(added.data[0].id, conversation_id=conversation.id)
+    assert added.data[0].id not in [item["id"] for item in listed(client, conversation.id)]
+    assert client.conversations.retrieve(conversation.id) == conversation
+    client.close()
+    output = proxy.output()
+    assert "internal error" not in output and "Traceback" not in output
+    assert "Oslo" not in output and "be brief" not in output  # no prompt text in a log line
+
+
+def test_auto_passes_through_while_the_upstream_has_the_api(emulator, start_proxy):
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=auto")
+    client = sdk(proxy)
+    conversation = client.conversations.create(items=[{"role": "user", "content": "hello"}])
+    assert converse(client, emulator, conversation.id, ["turn 0: more", "turn 1: again"], stream=True) == 2
+    assert [r["conversation"] for r in log(emulator)] == [conversation.id] * 2  # the upstream keeps it
+    unknown = call(proxy, "GET", "/v1/conversations/conv_never_made")
+    assert unknown.json()["error"]["message"] == "Conversation with id 'conv_never_made' not found."
+    client.close()
+    assert "lacks the Conversations API" not in proxy.output()
+
+
+def not_found(conversation_id: str) -> dict:
+    return {"error": {"message": f"Conversation with id '{conversation_id}' not found.",
+                      "type": "invalid_request_error", "param": None, "code": None}}
+
+
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_the_apis_errors_and_nothing_of_them_upstream(emulator, start_proxy, mode):
+    emulator.model.control({"conversations": "absent"})
+    proxy = start_proxy(emulator.url, "--set", f"stateful_emulate={mode}")
+    created = call(proxy, "POST", "/v1/conversations", {"items": [{"role": "user", "content": "secret plan"}]})
+    conversation_id = created.json()["id"]
+    first = call(proxy, "POST", "/v1/responses", {"model": "m", "input": "x"}).json()
+    before = len(log(emulator))
+    for method, path in (("GET", "/v1/conversations/{id}"), ("GET", "/v1/conversations/{id}/items"),
+                         ("POST", "/v1/conversations/{id}/items"), ("DELETE", "/v1/conversations/{id}")):
+        for key, named in (("sk-mallory", conversation_id), (KEY, "conv_never_made")):
+            answer = call(proxy, method, path.format(id=named), {"items": [{"role": "user", "content": "y"}]},
+                          key=key)
+            assert (answer.status_code, answer.json()) == (404, not_found(named))
+    for key, named in (("sk-mallory", conversation_id), (KEY, "conv_never_made")):
+        answer = call(proxy, "POST", "/v1/responses", {"model": "m", "input": "y", "conversation": named}, key=key)
+        assert (answer.status_code, answer.json()) == (404, not_found(named))
+    both = call(proxy, "POST", "/v1/responses", {"model": "m", "input": "y", "conversation": conversation_id,
+                                                 "previous_response_id": first["id"]})
+    assert (both.status_code, both.json()) == (400, {"error": {
+        "message": "Mutually exclusive parameters: ''. Ensure you are only providing one of: 'pre..._id' or"
+                   " 'conversation'.", "type": "invalid_request_error", "param": None,
+        "code": "mutually_exclusive_parameters"}})
+    odd = call(proxy, "POST", "/v1/responses", {"model": "m", "input": "y", "conversation": 5})
+    assert odd.status_code == 400 and odd.json()["error"]["code"] == "invalid_type"
+    later = call(proxy, "POST", "/v1/responses", {"model": "m", "input": "y", "conversation": conversation_id,
+                                                  "background": True})
+    assert later.status_code == 400 and later.json()["error"]["param"] == "background"
+    assert len(log(emulator)) == before  # every one answered by the proxy
+    texts = [i["content"][0]["text"] for i in call(proxy, "GET", f"/v1/conversations/{conversation_id}/items"
+                                                   ).json()["data"]]
+    assert texts == ["secret plan"]  # nothing added by any refused request
+
+
+def test_two_responses_at_once_both_join_in_completion_order(emulator, start_proxy):
+    emulator.model.control({"conversations": "absent", "think_ms": 400})
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always")
+    client = sdk(proxy)
+    conversation = client.conversations.create(items=[{"role": "user", "content": "hello"}])
+    start = listed(client, conversation.id)
+    answers: dict[str, object] = {}
+
+    def ask(text: str, delay: float) -> None:
+        time.sleep(delay)
+        answers[text] = client.responses.create(model="m", input=[{"role": "user", "content": text}],
+                                                conversation=conversation.id)
+
+    threads = [threading.Thread(target=ask, args=("first", 0)), threading.Thread(target=ask, args=("second", 0.2))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    items = listed(client, conversation.id)
+    assert len(items) == 5 and len({item["id"] for item in items}) == 5  # nothing lost, nothing twice
+    assert [item["content"][0]["text"] for item in items[1::2]] == ["first", "second"]  # in completion order
+    assert [items[2], items[4]] == [answers[t].output[0].model_dump(exclude_unset=True) for t in ("first", "second")]
+    for record in log(emulator)[-2:]:  # both were in flight before either completed: each saw the start only
+        assert meaning(record["context"]) == meaning(start + [record["context"][-1]])
+    client.close()
+
+
+def test_two_replicas_on_one_redis_continue_every_conversation_and_share_its_deletion(emulator, start_proxy,
+                                                                                      redis_server):
+    emulator.model.control({"conversations": "ignore"})
+    proxies = [start_proxy(emulator.url, "--set", "stateful_emulate=always",
+                           "--set", f"stateful_store={redis_server.url}") for _ in range(2)]
+    clients = [sdk(proxy) for proxy in proxies]
+    conversation = clients[0].conversations.create(items=[{"role": "user", "content": "hello"}])
+    for n in range(6):  # every turn on the other replica
+        client = clients[n % 2]
+        before = listed(clients[(n + 1) % 2], conversation.id)
+        new = [{"role": "user", "content": f"turn {n}"}]
+        respond(client, n % 3 == 0, model="gpt-test", input=new, conversation=conversation.id)
+        assert meaning(log(emulator)[-1]["context"]) == meaning(before + new)
+    assert len(listed(clients[1], conversation.id)) == 13
+    at_once = [threading.Thread(target=client.responses.create,
+                                kwargs={"model": "m", "input": f"at once {n}", "conversation": conversation.id})
+               for n, client in enumerate(clients)]
+    emulator.model.control({"think_ms": 300})
+    for thread in at_once:
+        thread.start()
+    for thread in at_once:
+        thread.join(timeout=30)
+    items = listed(clients[0], conversation.id)
+    assert len(items) == 17 and len({item["id"] for item in items}) == 17  # both joined, nothing lost or twice
+    assert {items[13]["content"][0]["text"], items[15]["content"][0]["text"]} == {"at once 0", "at once 1"}
+    clients[1].conversations.delete(conversation.id)
+    with pytest.raises(openai.NotFoundError):
+        clients[0].conversations.items.list(conversation.id)
+    for client in clients:
+        client.close()
+
+
+@pytest.mark.parametrize("how", ["restart", "kill -9 after each answer"])
+def test_a_conversation_survives_the_proxy_on_sqlite(emulator, start_proxy, tmp_path, how):
+    emulator.model.control({"conversations": "absent"})
+    confdir = str(tmp_path)
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always", confdir=confdir)
+    conversation_id = call(proxy, "POST", "/v1/conversations", {}).json()["id"]
+    said = []
+    for n in range(4):
+        said.append(f"turn {n}")
+        answer = call(proxy, "POST", "/v1/responses", {"model": "m", "input": said[-1], "stream": n % 2 == 1,
+                                                       "conversation": conversation_id})
+        assert answer.status_code == 200
+        if how == "restart" and n == 1:
+            proxy.stop()
+        elif how != "restart":
+            proxy.kill()  # the client holds the whole answer: nothing of it may be lost now
+        if proxy.process.poll() is not None:
+            proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always", confdir=confdir, port=proxy.port)
+        seen = [i["content"] if isinstance(i["content"], str) else i["content"][0]["text"]
+                for i in log(emulator)[-1]["context"] if i.get("role") == "user"]
+        assert seen == said
+    items = call(proxy, "GET", f"/v1/conversations/{conversation_id}/items?order=asc").json()["data"]
+    assert [i["content"][0]["text"] for i in items if i["role"] == "user"] == said
+
+
+AGENT_TURNS = ["hello", 'call:get_weather({"city": "Oslo"})', "thanks", 'call:get_weather({"city": "Lima"})']
+
+
+def weather_agent(agents, proxy) -> tuple[object, openai.AsyncOpenAI]:
+    agents.set_tracing_disabled(True)
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Weather for a city."""
+        return f"sunny in {city}"
+
+    client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=KEY, max_retries=0,
+                                http_client=httpx.AsyncClient(trust_env=False, timeout=30))
+    return agents.Agent(name="assistant", instructions="terse", tools=[get_weather],
+                        model=agents.OpenAIResponsesModel(model="gpt-test", openai_client=client)), client
+
+
+async def items_of(client: openai.AsyncOpenAI, conversation_id: str) -> list[dict]:
+    return [item.model_dump(exclude_unset=True)
+            async for item in client.conversations.items.list(conversation_id, order="asc")]
+
+
+@pytest.mark.parametrize("upstream", WITHOUT_THE_API)
+async def test_openai_agents_conversations_session_over_a_tool_using_conversation(emulator, start_proxy, upstream):
+    """The session keeps history in a conversation the proxy keeps, reads it
+    back and sends it whole: every model call sees the conversation's items,
+    then what its turn added; the conversation ends up holding all of it."""
+    agents = pytest.importorskip("agents")
+    from agents.memory import OpenAIConversationsSession
+
+    emulator.model.control({"conversations": upstream})
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=auto")
+    agent, client = weather_agent(agents, proxy)
+    session = OpenAIConversationsSession(openai_client=client)
+    for number, turn in enumerate(AGENT_TURNS):
+        seen = len(log(emulator))
+        stored_before = await items_of(client, session.session_id) if number else []
+        result = await agents.Runner.run(agent, turn, session=session)
+        calls = log(emulator)[seen:]
+        assert len(calls) == (2 if "call:" in turn else 1)
+        assert meaning(calls[0]["context"]) == meaning(stored_before + [{"role": "user", "content": turn}])
+        if len(calls) == 2:  # the tool loop resends what came before, the call and its output
+            assert meaning(calls[1]["context"]) == meaning(calls[0]["context"] + calls[0]["output"] + [
+                {"type": "function_call_output", "call_id": calls[0]["output"][0]["call_id"],
+                 "output": "sunny in " + ("Oslo" if "Oslo" in turn else "Lima")}])
+        assert meaning(await items_of(client, session.session_id)) == meaning(calls[-1]["context"] + calls[-1]["output"])
+        assert result.final_output == calls[-1]["output"][-1]["content"][0]["text"]
+    await client.close()
+
+
+@pytest.mark.parametrize("upstream", WITHOUT_THE_API)
+async def test_openai_agents_with_a_conversation_id_sends_only_new_items(emulator, start_proxy, upstream):
+    """``Runner.run(conversation_id=…)``: each call sends what is new, and the
+    model sees the conversation's items first (the proxy expands them)."""
+    agents = pytest.importorskip("agents")
+    emulator.model.control({"conversations": upstream})
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always")
+    agent, client = weather_agent(agents, proxy)
+    conversation = await client.conversations.create()
+    for turn in AGENT_TURNS:
+        seen = len(log(emulator))
+        before = await items_of(client, conversation.id)
+        result = await agents.Runner.run(agent, turn, conversation_id=conversation.id)
+        calls = log(emulator)[seen:]
+        after = await items_of(client, conversation.id)
+        joined = len(before)
+        for n, record in enumerate(calls):  # each: the conversation so far, then the one item it sent
+            assert meaning(record["context"][:-1]) == meaning(after[:joined])
+            sent = record["context"][-1]
+            assert sent.get("type") == ("function_call_output" if n else None)
+            assert meaning(after[joined]) == meaning(sent) and after[joined + 1:joined + 1 + len(record["output"])] \
+                == record["output"]
+            joined += 1 + len(record["output"])
+        assert joined == len(after)
+        assert result.final_output == calls[-1]["output"][-1]["content"][0]["text"]
+    await client.close()
