@@ -311,3 +311,54 @@ async def test_openai_agents_with_a_conversation_id_sends_only_new_items(emulato
         assert joined == len(after)
         assert result.final_output == calls[-1]["output"][-1]["content"][0]["text"]
     await client.close()
+
+
+@pytest.fixture
+def upstreams():
+    from stateful_responses.emulator import Emulator
+
+    emulators = [Emulator().start() for _ in range(3)]
+    for emulator in emulators:
+        emulator.model.control({"conversations": "absent"})
+    yield emulators
+    for emulator in emulators:
+        emulator.stop()
+
+
+def test_the_router_keeps_each_conversation_on_one_upstream_and_the_record_names_its_chain(upstreams, start_proxy,
+                                                                                          tmp_path):
+    record_file = tmp_path / "records.jsonl"
+    proxy = start_proxy(upstreams[0].url, "--set", "stateful_upstreams=" + ",".join(u.url for u in upstreams),
+                        "--set", "stateful_emulate=always", "--set", f"stateful_record_file={record_file}")
+    clients = [sdk(proxy, key=f"sk-{n}") for n in range(3)]
+    conversations = [client.conversations.create().id for client in clients]
+    served: dict[str, list[tuple[int, dict]]] = {c: [] for c in conversations}
+    for turn in range(4):
+        if turn == 3:
+            upstreams[served[conversations[0]][0][0]].stop()  # the first conversation's home goes away
+            time.sleep(1.2)  # the router probes an upstream it has not heard from for a second
+        for client, conversation_id in zip(clients, conversations, strict=True):
+            before = listed(client, conversation_id)
+            counts = [len(u.model.snapshot_log()) for u in upstreams]
+            client.responses.create(model="m", input=f"turn {turn}", conversation=conversation_id)
+            [(where, record)] = [(n, u.model.snapshot_log()[-1]) for n, u in enumerate(upstreams)
+                                 if len(u.model.snapshot_log()) > counts[n]]
+            assert meaning(record["context"]) == meaning(before + [{"role": "user", "content": f"turn {turn}"}])
+            served[conversation_id].append((where, record))
+    for conversation_id in conversations[1:]:  # each stayed where it started (their homes did not stop)
+        assert len({where for where, _ in served[conversation_id]}) == 1
+    homes = [served[c][0][0] for c in conversations]
+    assert len(set(homes)) == 3  # new conversations spread
+    moved = served[conversations[0]]
+    assert len({where for where, _ in moved[:3]}) == 1 and moved[3][0] != moved[0][0]  # its home stopped: it moved
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and len(record_file.read_text().splitlines()) < 12:
+        time.sleep(0.05)
+    lines = [json.loads(line)["continuation"] for line in record_file.read_text().splitlines()]
+    assert len(lines) == 12 and {line["stickyScope"] for line in lines} == {"conversation"}
+    by_conversation = {}
+    for line in lines:
+        by_conversation.setdefault(line["resumeFrom"]["conversationId"], set()).add(line["chainId"])
+    assert sorted(by_conversation) == sorted(conversations) and all(len(c) == 1 for c in by_conversation.values())
+    for client in clients:
+        client.close()

@@ -48,9 +48,11 @@ def test_string_input_is_one_user_message_and_tool_names_come_from_the_calls():
     assert [(r.call_id, r.name) for r in lifted.submitted_tool_results] == [("call_1", "get_weather")]
 
 
-def test_a_conversation_object_is_unsupported():
-    lifted = lift("openai-responses", URL, b'{"model": "m", "input": "Hi", "conversation": "conv_1"}')
-    assert ("conversation", "unsupported") in [(e.field, e.disposition) for e in lifted.audit]
+@pytest.mark.parametrize("conversation", ['"conv_1"', '{"id": "conv_1"}'])
+def test_a_response_in_a_conversation_names_it(conversation):
+    lifted = lift("openai-responses", URL, b'{"model": "m", "input": "Hi", "conversation": %s}' % conversation.encode())
+    assert lifted.conversation_id == "conv_1"
+    assert ("conversation", "preserved") in [(e.field, e.disposition) for e in lifted.audit]
 
 
 @pytest.mark.parametrize("doc", [{"input": 3}, [], "x"])

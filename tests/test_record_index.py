@@ -169,3 +169,27 @@ def test_tool_result_digests_are_keyed_with_the_stores_secret():
     assert digest(SECRET) == digest(SECRET) != digest(b"t" * 32)
     unkeyed = blake3(canonical_json(output(1)["output"])).hexdigest(16)
     assert digest(SECRET) != unkeyed  # holding the record file, one cannot confirm a guess of the result
+
+
+def test_responses_in_a_conversation_are_its_chain_on_every_proxy_and_at_once_never_fork():
+    index, replica = ChainIndex(), ChainIndex()
+    body = {"input": [user("hi")], "conversation": "conv_1"}
+    first = answered(index, begin(index, "openai-responses", body), "openai-responses", responses_answer(call(1)))
+    record = first.record()
+    assert (record["stickyScope"], record["resumeFrom"]["conversationId"]) == ("conversation", "conv_1")
+    left = begin(index, "openai-responses", {"input": [output(1)], "conversation": {"id": "conv_1"}})
+    right = begin(index, "openai-responses", {"input": [user("meanwhile")], "conversation": "conv_1"})
+    for turn in (left, right):  # both on their way before either answered
+        assert (turn.chain_id, turn.previous.turn_id, turn.fork) == (first.chain_id, first.turn_id, False)
+    assert [r.call_id for r in left.submitted] == ["call_1"]
+    answered(index, left, "openai-responses", responses_answer(said("done")))
+    answered(index, right, "openai-responses", responses_answer(said("also done", "msg_2")))
+    assert left.chain_id == right.chain_id == first.chain_id  # no branch: both joined the conversation
+    elsewhere = begin(replica, "openai-responses", body)  # another proxy of the same store, memory empty
+    assert elsewhere.chain_id == first.chain_id and elsewhere.unresolved and replica.table_of(elsewhere) == \
+        "chain-responses"
+    replica.resolve(elsewhere, {key: value for write in index.take_writes()
+                                if (key := write.key) in elsewhere.unresolved and (value := write.value)})
+    assert elsewhere.previous.turn_id == right.turn_id  # the conversation's newest turn
+    other = begin(index, "openai-responses", {"input": [user("hi")], "conversation": "conv_2"})
+    assert other.chain_id != first.chain_id and other.previous is None

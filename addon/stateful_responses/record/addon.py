@@ -24,7 +24,19 @@ import msgspec
 from mitmproxy import ctx, http
 
 from ..counters import Counters
-from ..flows import AUDIT, CONTINUATION, DECISION, EMULATION, HELD, RETRY_OF, ROUTED, PerFlow, internal_error, request_of
+from ..flows import (
+    AUDIT,
+    CONTINUATION,
+    CONVERSATION,
+    DECISION,
+    EMULATION,
+    HELD,
+    RETRY_OF,
+    ROUTED,
+    PerFlow,
+    internal_error,
+    request_of,
+)
 from ..items import Ambiguous
 from ..reading import Reader, Reading
 from ..settings import Config
@@ -132,7 +144,7 @@ class ContinuationRecord:
         """The request lifted; a Responses request through the shared reader's
         reading (its items' digests are cached), never parsed twice."""
         if protocol == "openai-responses":
-            reading = self.reader.read(request_of(flow), count=False)
+            reading = self.reader.read(request_of(flow), count=False, conversations=True)
             if isinstance(reading, Reading) and reading.raw_items is not None:
                 small = {k: msgspec.json.decode(v) for k, v in reading.fields.items() if k not in SPANS}
                 return responses.lift_read(small, reading.raw_items, reading.digests)
@@ -276,4 +288,14 @@ def _changes_made(flow: http.HTTPFlow, protocol: str) -> tuple[list, bool, bool]
     if emulated.get("references_expanded"):
         changes.append(audit_entry("item_reference", "preserved", "references to recorded items expanded from the "
                                    "record: the upstream stores nothing", protocol))
-    return changes, continued and not refused and not failed_over, bool(emulated.get("expanded"))
+    conversation = flow.metadata.get(CONVERSATION) or {}
+    if conversation.get("id"):
+        changes.append(audit_entry("conversation", "dropped", f"{conversation['id']} expanded into its "
+                                   f"{conversation.get('items')} items, kept by the proxy: the upstream got full "
+                                   "history instead", protocol))
+    if conversation.get("reasoning_dropped"):
+        changes.append(audit_entry("reasoning", "dropped", f"{conversation['reasoning_dropped']} reasoning items of the "
+                                   "conversation named by id without their encrypted_content: an upstream that "
+                                   "persists nothing cannot read them", protocol))
+    expanded = bool(emulated.get("expanded") or conversation.get("id"))
+    return changes, continued and not refused and not failed_over, expanded

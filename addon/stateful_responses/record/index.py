@@ -8,7 +8,10 @@ own changes) kept, lost, dropped or could not carry.
 Chains come from one prefix-hash logic for every protocol: a request whose
 conversation messages extend an earlier turn's messages + its answer continues
 that turn's chain; a ``previous_response_id`` continues the chain of the turn
-that produced it; anything else starts a chain. A turn that continues a turn
+that produced it; a response made in a stored conversation (``conversation``)
+is on that conversation's chain, named alike by every proxy of one store, and
+continues its newest turn (never a fork: responses on one conversation at once
+all join it); anything else starts a chain. A turn that continues a turn
 that is no longer its chain's tip is a fork: it starts its own chain and names
 where it left (``resumeFrom``).
 
@@ -42,7 +45,7 @@ from ..state.outbox import Outbox, Write
 from .protocols import AuditEntry, LiftedAnswer, LiftedRequest, ToolResult
 
 CHAIN_TURNS = "chain-turns"  # digest of a turn's messages + answer -> the TurnRefs that end so
-CHAIN_RESPONSES = "chain-responses"  # a response id, per credential -> TurnRef
+CHAIN_RESPONSES = "chain-responses"  # a response id, or a conversation's newest turn, per credential -> TurnRef
 CHAIN_TIPS = "chain-tips"  # chain id -> its Tip
 DISPOSITIONS = ("preserved", "lossy", "dropped", "unsupported")
 CONTINUABLE = frozenset({"completed", "incomplete"})  # answers a client can echo and go on from
@@ -155,6 +158,7 @@ class Turn:
     responses_key: Callable[[str], bytes]
     attempt: bytes  # names the request: a retry sends the same messages on the same chain
     secret: bytes
+    conversation_key: bytes | None = None  # where its conversation's newest turn is indexed
     own_chain: str = ""  # the chain it starts if it opens one or forks, named once needed
     previous: TurnRef | None = None
     echo: Echo | None = None
@@ -189,7 +193,7 @@ class Turn:
         """The seed's ``continuation`` record, with this flow's ``turnId``."""
         request, answer, previous = self.request, self.answer, self.previous
         resume: dict[str, Any] | None = None
-        if previous is not None or request.previous_response_id:
+        if previous is not None or request.previous_response_id or request.conversation_id:
             resume = {
                 "protocol": previous.protocol if previous else request.protocol,
                 "requestId": previous.flow_id if previous else None,
@@ -197,11 +201,14 @@ class Turn:
                 "previousResponseId": request.previous_response_id,
                 "turnId": previous.turn_id if previous else None,
             }
+            if request.conversation_id:
+                resume["conversationId"] = request.conversation_id  # the anchor: state kept under that id
         submitted = [r.call_id for r in self.submitted]
         pending = list(answer.pending_tool_calls) if answer else []
         followup = previous is not None and previous.paused and not submitted
         upstream_state = bool(request.previous_response_id) or self.continued_upstream
-        sticky = "request_chain" if upstream_state else "conversation" if previous and not self.fork else "request"
+        sticky = "conversation" if request.conversation_id else "request_chain" if upstream_state else \
+            "conversation" if previous and not self.fork else "request"
         mode = "tool_outputs" if submitted else "servertool_followup" if followup else \
             "tool_calls" if pending else None
         origin = "tool-loop" if submitted else "servertool-followup" if followup else request.protocol
@@ -284,6 +291,11 @@ class ChainIndex:
                          key=secret).digest(16)
         turn = Turn(new_id("turn"), flow_id, request.protocol, upstream, root, request, ItemSequence(root, digests),
                     hashed, before_last, responses_key, attempt, secret)
+        if request.conversation_id:
+            conversation = request.conversation_id.encode("utf-8", "surrogatepass")
+            turn.conversation_key = blake3(root + b"\x00conversation\x00" + conversation, key=secret).digest(16)
+            turn.own_chain = "chain_" + blake3(root + b"\x00conversation chain\x00" + conversation,
+                                               key=secret).hexdigest(8)
         self._continue(turn, {})
         return turn
 
@@ -294,7 +306,7 @@ class ChainIndex:
     @staticmethod
     def table_of(turn: Turn) -> str:
         """Where a turn's unresolved keys live."""
-        return CHAIN_RESPONSES if turn.request.previous_response_id else CHAIN_TURNS
+        return CHAIN_RESPONSES if turn.request.previous_response_id or turn.conversation_key else CHAIN_TURNS
 
     def unknown_tips(self, turn: Turn) -> list[bytes]:
         """The chains the turn may continue whose tips memory does not know (the backing store may)."""
@@ -309,8 +321,8 @@ class ChainIndex:
 
     def _continue(self, turn: Turn, stored: Mapping[bytes, list[TurnRef]]) -> None:
         request, unresolved = turn.request, []
-        if request.previous_response_id:
-            key = turn.responses_key(request.previous_response_id)
+        if turn.conversation_key or request.previous_response_id:
+            key = turn.conversation_key or turn.responses_key(request.previous_response_id or "")
             ref = self.responses.hit(key)
             refs = [ref] if ref is not None else stored.get(key)
             if not refs:
@@ -378,7 +390,9 @@ class ChainIndex:
             self.homes.put(previous.turn_id, previous.upstream)
         turn.submitted = self._submitted(turn)
         attempt = self.attempts.hit(turn.attempt)
-        if attempt is not None and attempt.parent == (previous.turn_id if previous else None):
+        if turn.conversation_key:
+            turn.chain_id, turn.fork = turn.new_chain(), False  # its conversation's, whatever else went on it
+        elif attempt is not None and attempt.parent == (previous.turn_id if previous else None):
             turn.chain_id, turn.fork = attempt.chain_id, attempt.fork  # a retry of a request left unanswered
         elif previous is None:
             turn.chain_id, turn.fork = turn.new_chain(), False
@@ -435,7 +449,10 @@ class ChainIndex:
         attempt = self.attempts.get(turn.attempt)
         if attempt is not None and attempt.turn_id == turn.turn_id:
             del self.attempts[turn.attempt]
-        self._settle_tip(turn)
+        if turn.conversation_key:  # responses on one conversation all join it: none branches off
+            self._put_tip(turn.chain_id, Tip(turn.turn_id, turn.previous.turn_id if turn.previous else None))
+        else:
+            self._settle_tip(turn)
         try:
             digests = [blake3(canonical_json(m)).digest(16) for m in answer.messages]
         except (Ambiguous, RecursionError):
@@ -449,8 +466,8 @@ class ChainIndex:
             refs = [r for r in self.turns.get(key, ()) if r.turn_id != turn.turn_id][1 - SAME_ENDING:] + [ref]
             self.turns.put(key, refs)
             self._outbox.append(Write(CHAIN_TURNS, key, _ENCODE(refs), self.config.ttl))
-        if answer.response_id:
-            key = turn.responses_key(answer.response_id)
+        keys = [turn.responses_key(answer.response_id)] if answer.response_id else []
+        for key in keys + ([turn.conversation_key] if turn.conversation_key else []):
             self.responses.put(key, ref)
             self._outbox.append(Write(CHAIN_RESPONSES, key, _ENCODE(ref), self.config.ttl))
 

@@ -8,9 +8,9 @@ then plan for that upstream. An upstream that refuses connections is found by
 a connect probe before it is used after a quiet second, and avoided; a 5xx is
 held back and the turn goes to another upstream with full history (reasoning
 another upstream encrypted cannot travel: the audit says so). A turn that
-needs its upstream's stored state moves only if store emulation can expand its
-chain; otherwise it stays there, and a 5xx reaches the client, whose SDK
-retries it there. A connection that fails after the probe gets mitmproxy's 502
+may need its upstream's stored state (a ``previous_response_id`` chain, a
+conversation) moves only if store emulation can expand it; otherwise it stays
+there, and a 5xx reaches the client, whose SDK retries it there. A connection that fails after the probe gets mitmproxy's 502
 (its SDK retries, and the retry goes elsewhere).
 """
 
@@ -60,6 +60,12 @@ async def reachable(upstream: str) -> bool:
         return False
     writer.close()
     return True
+
+
+def relies_on_stored_state(record: dict) -> bool:
+    """The turn continues state kept under an id (a ``previous_response_id``
+    chain, a conversation): elsewhere it needs that state expanded."""
+    return record.get("stickyScope") == "request_chain" or bool((record.get("resumeFrom") or {}).get("conversationId"))
 
 
 def without_foreign_reasoning(body: bytes) -> tuple[bytes, int]:
@@ -123,7 +129,7 @@ class Router:
         state and cannot travel as full history: that one stays home."""
         assert self.routes is not None
         route = self.routes.choose(record, answered_by)
-        if route.moved and route.home is not None and record.get("stickyScope") == "request_chain" \
+        if route.moved and route.home is not None and relies_on_stored_state(record) \
                 and await self.expand(flow, flow.request) is None:
             return Route(route.home, "its parent's state is there only")
         return route
@@ -170,7 +176,7 @@ class Router:
         if route.upstream == failed:
             return  # nowhere else to go: the client gets the upstream's own answer
         body = await self.expand(flow, client)
-        if body is None and record.get("stickyScope") == "request_chain":
+        if body is None and relies_on_stored_state(record):
             return  # its state is there only: the client's SDK retries, and the retry goes home
         body = body or client.raw_content or b""
         body, dropped = without_foreign_reasoning(body)

@@ -8,6 +8,9 @@ protocol's own fields). Pure: the glue asks, this decides.
   upstream encrypted, since it arrives in the same chain.
 * A chain stays on its upstream (KV-cache affinity, as the prefix-aware routers
   of vLLM's production stack and Ray Serve do); a fork follows where it left.
+  A conversation is one chain (``stickyScope: conversation``, its ``chainId``
+  named alike by every proxy of one store): every response on it goes where
+  the first one went.
 * A new chain goes to the upstream with the fewest requests in flight, ties
   taken in turn.
 * An upstream that refused a connection or answered 5xx is avoided for a

@@ -97,6 +97,7 @@ class LiftedRequest:
     # The messages one by one (Responses, whose items carry ids and whose tool
     # outputs may sit between the calls they answer); None for the others.
     items: Items | None = None
+    conversation_id: str | None = None  # openai-responses: the stored conversation it is made in
 
 
 @dataclass

@@ -191,8 +191,13 @@ def _lifted(doc: dict, messages: list, submitted: list[ToolResult], digests: lis
         audit.note("previous_response_id", "preserved", "server-side continuation: the upstream prepends its context")
     else:
         previous = None
-    if doc.get("conversation") is not None:
-        audit.note("conversation", "unsupported", "a stored conversation adds items this request does not show")
+    conversation = doc.get("conversation")
+    conversation_id = conversation.get("id") if isinstance(conversation, dict) else conversation
+    if isinstance(conversation_id, str):
+        audit.note("conversation", "preserved", "a stored conversation: its items come before this request's, "
+                   "and the turn continues the conversation's chain")
+    else:
+        conversation_id = None
     model = doc.get("model")
     return LiftedRequest(
         protocol=PROTOCOL,
@@ -206,6 +211,7 @@ def _lifted(doc: dict, messages: list, submitted: list[ToolResult], digests: lis
         hints={},
         digests=digests,
         items=items,
+        conversation_id=conversation_id,
     )
 
 
