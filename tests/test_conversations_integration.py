@@ -60,6 +60,7 @@ def converse(client: openai.OpenAI, emulator, conversation_id: str, texts: list[
             before = listed(client, conversation_id)
             response = respond(client, stream, model="gpt-test", input=new, tools=TOOLS, conversation=conversation_id)
             requests += 1
+            assert response.conversation.id == conversation_id  # named as the API's answers name it
             seen = log(emulator)[-1]
             # In meaning: forward mode may send the request as a delta on what the upstream stored, in its spelling.
             assert meaning(seen["context"]) == meaning(before + new), f"request {requests}: the model saw otherwise"

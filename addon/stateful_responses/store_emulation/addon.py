@@ -63,8 +63,20 @@ from ..state.access import StateAccess
 from ..state.storage import StorageError
 from ..tenancy import Tenancy, credential_material
 from ..upstreams import TRANSIENT_STATUSES, Upstreams, echo_verdict
-from .conversations import ApiError, Call, Conversation, Conversations, background_refused, mutually_exclusive, \
-    named, not_found, route, too_large
+from .conversations import (
+    ApiError,
+    Call,
+    Conversation,
+    Conversations,
+    Echo,
+    background_refused,
+    mutually_exclusive,
+    named,
+    named_in,
+    not_found,
+    route,
+    too_large,
+)
 from .history import History, Turn, listed_items, response_json, string_input_item
 from .turns import Tenant, seal_key
 from .walk import ChainError
@@ -852,18 +864,35 @@ class ConversationEmulation:
                 return
             if flow.response.status_code >= 300 or record.joined or flow.metadata.get(HELD):
                 return
-            reader = record.reader = AnswerReader(flow.response.headers.get("content-type", ""),
-                                                  flow.response.headers.get("content-encoding", ""),
-                                                  _length(flow.response))
+            content_type = flow.response.headers.get("content-type", "")
+            streamed = "text/event-stream" in content_type.lower()
+            if not streamed and flow.metadata.get(RETRY_OF) is None:
+                hold(flow)  # read whole in the response hook, which also names the conversation in it
+                return
+            encoding = flow.response.headers.get("content-encoding", "")
+            reader = record.reader = AnswerReader(content_type, encoding, _length(flow.response))
             keep_end_for_hooks(flow)  # the client holds the whole answer only once the conversation has it
+            assert record.conversation is not None
+            echo = Echo(record.conversation.id) if streamed and encoding in ("", "identity") else None
             downstream = flow.response.stream
 
-            def tap(chunk: bytes) -> bytes:
+            def tap(chunk: bytes) -> bytes | list[bytes]:
+                nonlocal echo
                 if not record.joined:
                     reader.feed(chunk)  # never raises
                     if reader.complete:
                         self._join(record, reader)  # before these last bytes reach the client
-                return downstream(chunk) if callable(downstream) else chunk
+                passed = downstream(chunk) if callable(downstream) else chunk
+                if echo is None:
+                    return passed
+                data = passed if isinstance(passed, bytes | bytearray) else b"".join(passed)
+                try:
+                    named = echo.feed(bytes(data)) if data else []  # never an empty chunk: it would end the body
+                    return named + echo.feed(b"") if not chunk else named
+                except Exception:
+                    internal_error(self.counters, "naming a conversation in an answer")
+                    rest, echo = echo.feed(b""), None
+                    return rest + [bytes(data)]
 
             flow.response.stream = tap
         except Exception:
@@ -878,18 +907,23 @@ class ConversationEmulation:
             if record.judged is not None:
                 if client is flow:
                     await self._judge(flow, record, record.judged)
-            elif not record.joined and flow.response.status_code < 300:
+            elif not record.joined and flow.response.status_code < 300 and record.conversation is not None:
                 reader = AnswerReader(flow.response.headers.get("content-type", ""),
                                       flow.response.headers.get("content-encoding", ""))
                 reader.feed(flow.response.raw_content or b"")  # held or buffered: read it whole
                 self._join(record, reader)
+                if client is flow and flow.metadata.get(HELD) and "event-stream" not in \
+                        flow.response.headers.get("content-type", ""):
+                    named = named_in(flow.response.get_content(strict=False) or b"", record.conversation.id)
+                    if named is not None:
+                        flow.response.content = named  # as the API's answer names its conversation
         except StorageError:
             pass
         except Exception:
             internal_error(self.counters, "emulating a conversation")
         if client is not flow or not flow.metadata.get(HELD) or record.judged is not None:
             self._flows.pop(client)  # else another addon retries it next, and its retry joins
-        if end_still_to_come(flow):
+        if end_still_to_come(flow) or flow.metadata.get(HELD):
             await self.state.written(record.written, RECORD_WAIT)
 
     def error(self, flow: http.HTTPFlow) -> None:

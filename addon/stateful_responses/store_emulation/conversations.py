@@ -508,6 +508,70 @@ class Conversations:
         self.add(tenant, conversation, items)
 
 
+# -- the answer names its conversation -------------------------------------------------------
+
+_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+
+
+def named_in(response: bytes, conversation_id: str) -> bytes | None:
+    """A response object (JSON) naming its conversation as the API's do,
+    every other field's bytes its own; None when it is not a JSON object."""
+    try:
+        fields = _FIELDS.decode(response)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    fields["conversation"] = msgspec.Raw(b'{"id":' + _JSON(conversation_id) + b"}")
+    return b"{" + b",".join(_JSON(key) + b":" + bytes(value) for key, value in fields.items()) + b"}"
+
+
+class Echo:
+    """An SSE answer passed on with every ``response`` object its events
+    carry naming the conversation (``named_in``); each event goes on once it
+    is whole, every other byte as it came."""
+
+    def __init__(self, conversation_id: str) -> None:
+        self.conversation_id = conversation_id
+        self._pending = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """What goes on to the client now; ``b""`` is the end: the rest."""
+        if not data:
+            rest, self._pending = self._pending, b""
+            return [rest] if rest else []
+        buffer = self._pending + data
+        ends = [match.end() for match in _EVENT_END.finditer(buffer)]
+        if not ends:
+            self._pending = buffer
+            return []
+        self._pending = buffer[ends[-1]:]
+        starts = [0, *ends[:-1]]
+        return [self._event(buffer[start:end]) for start, end in zip(starts, ends, strict=True)]
+
+    def _event(self, block: bytes) -> bytes:
+        if b'"response"' not in block:
+            return block
+        lines = block.split(b"\n")
+        data = [n for n, line in enumerate(lines) if line.startswith(b"data:")]
+        if len(data) != 1:
+            return block  # one JSON document per event is what servers send; anything else passes as it is
+        line = lines[data[0]]
+        body_start = 6 if line.startswith(b"data: ") else 5
+        payload, ending = (line[body_start:-1], b"\r") if line.endswith(b"\r") else (line[body_start:], b"")
+        try:
+            fields = _FIELDS.decode(payload)
+        except (msgspec.DecodeError, RecursionError):
+            return block
+        response = fields.get("response")
+        named = named_in(bytes(response), self.conversation_id) if response is not None else None
+        if named is None:
+            return block
+        fields["response"] = msgspec.Raw(named)
+        lines[data[0]] = line[:body_start] + b"{" + b",".join(
+            _JSON(key) + b":" + bytes(value) for key, value in fields.items()) + b"}" + ending
+        return b"\n".join(lines)
+
+
 def new_id(prefix: str) -> str:
     """An id the proxy mints: random, as long as OpenAI's (which no upstream repeats)."""
     return f"{prefix}_{random_bytes(ID_BYTES).hex()}"
