@@ -280,3 +280,27 @@ def test_once_mitmproxy_runs_its_startup_objects_leave_the_collectors_passes():
     finally:
         gc.unfreeze()
     assert any(o is startup for o in gc.get_objects())
+
+
+async def test_clear_erases_the_conversations_the_proxy_keeps(tmp_path):
+    from stateful_responses.store_emulation.conversations import CONVERSATIONS
+
+    def conversations_flow(method: bytes, path: bytes, body: bytes = b"") -> tflow.HTTPFlow:
+        return tflow.tflow(req=tutils.treq(method=method, scheme=b"https", host="api.example.test", port=443,
+                                           path=path, content=body,
+                                           headers=[(b"authorization", b"Bearer sk-x")]))
+
+    async with Glue(stateful_store=f"sqlite:{tmp_path / 'state.db'}", stateful_emulate="always") as addon:
+        created = conversations_flow(b"POST", b"/v1/conversations", b'{"items": [{"role": "user", "content": "x"}]}')
+        await addon.conversations.request(created)
+        conversation_id = json.loads(created.response.content)["id"]
+        assert await addon.state.storage.scan(CONVERSATIONS)
+        addon.tctx.master.commands.call("stateful.clear")
+        for _ in range(100):
+            if not await addon.state.storage.scan(CONVERSATIONS):
+                break
+            await asyncio.sleep(0.01)
+        assert not await addon.state.storage.scan(CONVERSATIONS)
+        listed = conversations_flow(b"GET", f"/v1/conversations/{conversation_id}/items".encode())
+        await addon.conversations.request(listed)
+        assert listed.response.status_code == 404  # gone from memory and from the store

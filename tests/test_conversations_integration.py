@@ -363,3 +363,36 @@ def test_the_router_keeps_each_conversation_on_one_upstream_and_the_record_names
     assert sorted(by_conversation) == sorted(conversations) and all(len(c) == 1 for c in by_conversation.values())
     for client in clients:
         client.close()
+
+
+@pytest.mark.parametrize("upstream", WITHOUT_THE_API)
+def test_auto_takes_over_invisibly_once_the_upstream_refuses_or_ignores_a_conversation(emulator, start_proxy,
+                                                                                       upstream):
+    emulator.model.control({"conversations": upstream})
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=auto")
+    first = call(proxy, "POST", "/v1/responses", {"model": "m", "input": "x", "conversation": "conv_theirs"})
+    assert (first.status_code, first.json()) == (404, not_found("conv_theirs"))  # not the upstream's answer
+    assert len(log(emulator)) == 1  # it went upstream once: that answer showed the upstream lacks the API
+    again = call(proxy, "POST", "/v1/responses", {"model": "m", "input": "x", "conversation": "conv_other"})
+    assert (again.status_code, again.json()) == (404, not_found("conv_other")) and len(log(emulator)) == 1
+    created = call(proxy, "POST", "/v1/conversations", {"items": [{"role": "user", "content": "hello"}]})
+    answer = call(proxy, "POST", "/v1/responses", {"model": "m", "input": "x", "conversation": created.json()["id"]})
+    assert answer.json()["conversation"] == {"id": created.json()["id"]} and log(emulator)[-1]["conversation"] is None
+    assert proxy.output().count("lacks the Conversations API") == 1
+
+
+def test_while_the_store_is_out_of_reach_a_conversation_request_goes_as_the_client_sent_it(emulator, start_proxy,
+                                                                                           redis_server):
+    emulator.model.control({"conversations": "absent"})
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always", "--set",
+                        f"stateful_store={redis_server.url}")
+    conversation_id = call(proxy, "POST", "/v1/conversations", {}).json()["id"]
+    redis_server.stop()
+    answer = call(proxy, "POST", "/v1/responses", {"model": "m", "input": "x", "conversation": conversation_id})
+    assert answer.json()["error"]["message"] == "Unknown parameter: 'conversation'."  # as without the addon
+    assert log(emulator)[-1]["conversation"] == conversation_id
+    listing = call(proxy, "GET", f"/v1/conversations/{conversation_id}/items")
+    assert listing.json()["error"]["message"].startswith("Invalid URL")  # the upstream's own answer
+    created = call(proxy, "POST", "/v1/conversations", {})
+    assert created.json()["error"]["message"].startswith("Invalid URL")  # no id the store does not hold
+    assert "Traceback" not in proxy.output() and "internal error" not in proxy.output()
