@@ -16,6 +16,9 @@
   record   store emulation's record on SQLite: expanding a 1,000-response
            chain, recording an answer, and what a conversation costs on disk
   seal     sealing's share of record + expand (AEAD vs identity)
+  conversation  a turn on a 200-item conversation the proxy keeps, warm and
+           cold, next to the same turn via previous_response_id (the core on
+           SQLite, and through mitmdump)
 
 ``scripts/bench [--quick] [--only NAME ...]``; results go to stdout as Markdown.
 """
@@ -62,6 +65,8 @@ from stateful_responses.state.storage.memory import MemoryStorage  # noqa: E402
 from stateful_responses.state.storage.redis import RedisStorage  # noqa: E402
 from stateful_responses.state.storage.sqlite import SQLiteStorage  # noqa: E402
 from stateful_responses.store_emulation.turns import Tenant  # noqa: E402
+from stateful_responses.store_emulation.conversations import Conversations  # noqa: E402
+from stateful_responses.state.addon import _apply as apply_writes  # noqa: E402
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for a city.",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
@@ -817,9 +822,131 @@ async def seal_rows(quick: bool) -> list[str]:
             "write; the share timed inside the seals is the steady figure."]
 
 
+# -- conversations the proxy keeps ----------------------------------
+
+
+async def conversation_turn(conversations: Conversations, storage: Storage, tenant: Tenant, conversation_id: str,
+                            n: int) -> float:
+    """One turn on a conversation, as emulation makes it: read it fresh from
+    the store, expand it, join the answer and await the write; seconds."""
+    started = time.perf_counter()
+    conversation = await conversations.find(tenant, conversation_id, storage.get)
+    body = b"[" + b",".join([item.raw for item in conversation.items] + [user_item(n, 300)]) + b"]"
+    assert len(body) > 0
+    conversations.join(tenant, conversation, [user_item(n, 300)], answer(n, 400)["output"])
+    await apply_writes(storage, conversations.take_writes())
+    return time.perf_counter() - started
+
+
+async def chain_turn(history: History, storage: Storage, tenant: Tenant, previous: str, n: int) -> float:
+    """The same turn via previous_response_id: expand the chain, record the answer, await the write."""
+    started = time.perf_counter()
+    context = await history.context(tenant, previous, storage.get)
+    body = b"[" + b",".join(context + [user_item(n, 300)]) + b"]"
+    assert len(body) > 0
+    history.record(tenant, response=answer(n, 400), previous_response_id=previous, raw_input=[user_item(n, 300)],
+                   stored_upstream=False)
+    await apply_writes(storage, history.take_writes())
+    return time.perf_counter() - started
+
+
+async def conversation_core_rows(quick: bool) -> list[str]:
+    turns, rounds = 100, 5 if quick else 15
+    times: dict[str, list[float]] = {"conversation warm": [], "conversation cold": [], "chain warm": [],
+                                     "chain cold": []}
+    with tempfile.TemporaryDirectory() as work:
+        storage, tenant = await opened_sqlite(f"{work}/state.sqlite3")
+        conversations = Conversations()
+        conversation_id = conversations.create(tenant, [], b"{}").id
+        await apply_writes(storage, conversations.take_writes())
+        for n in range(turns):  # 200 items: a user item and an answer a turn
+            await conversation_turn(conversations, storage, tenant, conversation_id, n)
+        await record_chain(storage, tenant, turns)
+        history, previous = History(), f"resp_{turns - 1}"
+        await history.context(tenant, previous, storage.get)
+        for r in range(rounds):  # each round adds a turn to both; the sizes stay about 200 items
+            n = turns + r
+            times["conversation cold"].append(await conversation_turn(Conversations(), storage, tenant,
+                                                                      conversation_id, n))
+            times["conversation warm"].append(await conversation_turn(conversations, storage, tenant,
+                                                                      conversation_id, n))
+            times["chain cold"].append(await chain_turn(History(), storage, tenant, previous, n))
+            history.record(tenant, response=answer(10_000 + r, 400), previous_response_id=previous,
+                           raw_input=[user_item(n, 300)], stored_upstream=False)
+            times["chain warm"].append(await chain_turn(history, storage, tenant, previous, n))
+        await storage.close()
+    median = {name: statistics.median(values) * 1000 for name, values in times.items()}
+    return ["| the proxy's own work for the next turn, on SQLite | warm | cold |", "|---|---|---|",
+            f"| on a {2 * turns}-item conversation (`conversation`) | {median['conversation warm']:.1f} ms | "
+            f"{median['conversation cold']:.1f} ms |",
+            f"| the same turn via `previous_response_id` (a {turns}-response chain of the same items) | "
+            f"{median['chain warm']:.1f} ms | {median['chain cold']:.1f} ms |",
+            "", f"Medians of {rounds} turns: read from the store and expand, then record the answer (join the "
+            "conversation, or record the turn) and await its write to SQLite. Warm: the proxy that answered the "
+            "turns before; cold: one that has seen nothing (a restart, another replica) over the same file. Items "
+            "of about 300 and 400 bytes."]
+
+
+def timed_post(http, url: str, body: dict) -> tuple[float, dict]:
+    started = time.perf_counter()
+    r = http.post(url + "/v1/responses", json=body, headers=AUTH)
+    r.raise_for_status()
+    return time.perf_counter() - started, r.json()
+
+
+def conversation_proxy_rows(quick: bool) -> list[str]:
+    """The client's time for the next turn through mitmdump (always, SQLite),
+    the upstream without state: warm (the same proxy again), cold (the first
+    request after a restart)."""
+    turns, rounds = 100, 5 if quick else 11
+    times: dict[str, list[float]] = {"conversation warm": [], "conversation cold": [], "chain warm": [],
+                                     "chain cold": []}
+    with tempfile.TemporaryDirectory() as work, Emulator() as emu:
+        emu.model.control({"conversations": "absent", "stateless": "reject"})
+        options = ("--set", "stateful_emulate=always", "--set", f"stateful_store=sqlite:{work}/state.sqlite3")
+        proxy = start_mitmdump(emu.url, *options, confdir=work)
+        try:
+            with httpx.Client(trust_env=False, timeout=60) as http:
+                conversation_id = http.post(proxy.url + "/v1/conversations", json={}, headers=AUTH).json()["id"]
+                previous = None
+                for n in range(turns):
+                    text = json.loads(user_item(n, 300))["content"]
+                    timed_post(http, proxy.url, {"model": "m", "input": text, "conversation": conversation_id})
+                    previous = timed_post(http, proxy.url, {"model": "m", "input": text,
+                                                            **({"previous_response_id": previous} if previous
+                                                               else {})})[1]["id"]
+                for r in range(rounds):
+                    proxy.stop()
+                    proxy = start_mitmdump(emu.url, *options, confdir=work, port=proxy.port)
+                    for temperature in ("cold", "warm"):
+                        text = f"round {r} {temperature}"
+                        times[f"conversation {temperature}"].append(timed_post(
+                            http, proxy.url, {"model": "m", "input": text, "conversation": conversation_id})[0])
+                        seconds, answered = timed_post(http, proxy.url, {"model": "m", "input": text,
+                                                                         "previous_response_id": previous})
+                        times[f"chain {temperature}"].append(seconds)
+                        previous = answered["id"]
+        finally:
+            proxy.stop()
+    median = {name: statistics.median(values) * 1000 for name, values in times.items()}
+    return ["| the client's time for the next turn, through mitmdump (`always`, SQLite) | warm | cold |",
+            "|---|---|---|",
+            f"| on a {2 * turns}-item conversation | {median['conversation warm']:.1f} ms | "
+            f"{median['conversation cold']:.1f} ms |",
+            f"| the same turn via `previous_response_id` | {median['chain warm']:.1f} ms | "
+            f"{median['chain cold']:.1f} ms |",
+            "", f"Medians of {rounds} rounds, in front of the emulator without state (it answers at once). Cold: the "
+            "first request after mitmdump restarted; warm: the next one. Both conversations hold the same items "
+            "(the user's text, the emulator's answer)."]
+
+
+def bench_conversation(quick: bool) -> list[str]:
+    return asyncio.run(conversation_core_rows(quick)) + [""] + conversation_proxy_rows(quick)
+
+
 BENCHES = {"bytes": bench_bytes, "uplink": bench_uplink, "tax": bench_tax, "plan": bench_plan, "sse": bench_sse,
            "memory": bench_memory, "stores": bench_stores, "agents": bench_agents, "record": bench_record,
-           "seal": bench_seal}
+           "seal": bench_seal, "conversation": bench_conversation}
 
 
 def main() -> None:
