@@ -8,6 +8,7 @@ import os
 
 import pytest
 from harness import start_mitmdump
+from redis_cluster import own_redis_cluster, redis_cluster, shared_redis_cluster  # noqa: F401 (a real Redis Cluster)
 from redis_server import redis_server  # noqa: F401 (a fixture: a real redis-server on loopback)
 from stateful_responses.emulator import Emulator
 
