@@ -20,11 +20,13 @@ from redis.crc import key_slot
 from redis_server import start_redis_server
 from stateful_responses.storage import (
     DEFAULT_SQLITE_FILE,
+    SHARD_TAG_SIZE,
     Batch,
     StorageError,
     StoreSpec,
     open_storage,
     parse_store_spec,
+    shard_key,
 )
 from stateful_responses.storage.memory import MemoryStorage
 from stateful_responses.storage.redis import RedisStorage
@@ -222,6 +224,15 @@ async def test_clear_forgets_every_table_and_the_store_stays_usable(storage):
     await storage.ping()
     await storage.put("entries", {b"c": b"3"}, ttl=60)
     assert await storage.get("entries", [b"a", b"c"]) == {b"c": b"3"}
+
+
+async def test_keys_led_by_a_shard_tag_are_keys_like_any_other(storage):
+    tagged = {shard_key(b"tenant-1", b"turn"): b"1", shard_key(b"tenant-1", b"item"): b"2",
+              shard_key(b"tenant-2", b"turn"): b"3"}
+    assert len({key[:SHARD_TAG_SIZE] for key in tagged}) == 2
+    await storage.write(Batch(puts=[("turns", tagged, 60)], deletes=[("turns", [shard_key(b"tenant-2", b"none")])]))
+    assert await storage.get("turns", list(tagged)) == tagged
+    assert await storage.scan("turns") == tagged
 
 
 @pytest.mark.parametrize("table", ["", "a:b", "t" * 65, "tab le"])
