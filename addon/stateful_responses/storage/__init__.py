@@ -4,8 +4,8 @@ The backends store bytes under keys, in named tables, each record with an
 expiry, and know nothing of what the bytes mean: the planner and the emulation
 decide what is worth keeping, the way hishel keeps its storages apart from its
 cache policy. ``memory`` keeps everything in the process, ``sqlite`` in one
-file (several proxies may share it), ``redis`` on a server shared by any
-number of proxies.
+file (several proxies may share it), ``redis`` on a server or a Redis Cluster
+shared by any number of proxies.
 
 A key's first ``SHARD_TAG_SIZE`` bytes are its shard tag: a backend that
 spreads records over servers (a Redis Cluster) keeps the records of one tag
@@ -55,7 +55,8 @@ class Storage(Protocol):
 
     async def write(self, batch: Batch) -> None:
         """Apply ``batch`` in one call: its deletes, then its puts, in one
-        transaction (SQLite) or pipeline (Redis). ``put`` and ``delete`` are
+        transaction (SQLite, a Redis server), or in a Redis Cluster one per
+        shard, which holds whole shard tags. ``put`` and ``delete`` are
         one-table batches."""
 
     async def scan(self, table: str) -> dict[bytes, bytes]:

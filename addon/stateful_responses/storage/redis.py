@@ -1,65 +1,126 @@
-"""The ``redis`` backend: Redis or Valkey, shared by any number of proxies.
+"""The ``redis`` backend: Redis or Valkey, one server or a Redis Cluster,
+shared by any number of proxies.
 
-Every key starts with one hash tag, ``{stateful-responses}:``, so the whole
-state sits in one slot of a Redis Cluster and the Lua scripts below may touch
-any of it. Layout, after that prefix:
+Records live in shards. A shard is every key under one hash tag, so that it
+sits in one slot of a cluster and the Lua scripts below may touch all of it.
+A server with cluster mode on (``INFO cluster`` says so at the first call,
+whichever node of the cluster the URL names) gets ``SHARDS`` of them,
+``{stateful-responses:<n>}:``, each in its own ``SHARDS``-th of the slot
+space, so that they spread over the masters as evenly as the slots do. A
+record's shard comes from the shard tag that leads its key (see
+``SHARD_TAG_SIZE``): the records of one tag, in every table, are in one
+shard. Any other server has a single shard, ``{stateful-responses}:``.
+Layout of a shard, after its prefix:
 
   ``r:<table>:<key>``  a record: its value, with a key TTL
-  ``i:<table>``        the table's index: a sorted set of its record keys,
-                       scored by expiry in milliseconds of the server's clock
-  ``tables``           the set of table names that have an index
-  ``secret``           the 32-byte secret, no TTL
+  ``i:<table>``        the shard's index of the table: a sorted set of its
+                       record keys, scored by expiry in milliseconds of the
+                       server's clock
+  ``tables``           the set of table names that have an index in the shard
 
-The index is what bounds a table, what ``scan`` reads and what ``clear``
-walks, so nothing ever SCANs the keyspace. It is kept atomically with the
-records by the scripts; Redis expires the records themselves.
+and, on its own, ``{stateful-responses}:secret``: the 32-byte secret, no TTL.
+
+The indexes are what bound a table, what ``scan`` reads and what ``clear``
+walks, so nothing ever SCANs the keyspace. A write is one script per shard it
+touches, which keeps the shard's records and indexes in step atomically;
+Redis expires the records themselves.
+
+In a cluster nothing spans shards atomically: the scripts of a batch go out
+together (one pipeline per master, the masters at once), a reader may see one
+shard's part of a batch before another's, and a failure may leave some parts
+written and others not. The records of one shard tag are never seen half
+written.
+
+Bounds: a write keeps its shard's part of a table within the table's limit,
+which on one server is the whole table, so the bound is exact. In a cluster
+the writing process also adds up the shard sizes its writes returned; past
+the limit and 1% it counts every shard and evicts the soonest-expiring records
+beyond the limit. So a table may outgrow its limit by about 1%, and for a
+while by what other processes wrote to shards this one has not written to
+since; and what goes is the soonest-expiring, save when one shard holds more
+than twice its share of it (that shard then loses less, until the next trim).
 """
 
 from __future__ import annotations
 
+import asyncio
+import heapq
 import math
 import os
+import zlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 from urllib.parse import urlsplit
 
 import redis.asyncio
 import redis.exceptions
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-from . import DEFAULT_TABLE_LIMIT, Batch, StorageError, check_table
+from . import DEFAULT_TABLE_LIMIT, SHARD_TAG_SIZE, Batch, StorageError, check_table
 
 T = TypeVar("T")
+Client = redis.asyncio.Redis | RedisCluster
+
+# Shards of a cluster: enough to spread over a handful of masters, few enough
+# that a scan, a clear or a trim (which visit them all) stays one pipeline per
+# master. Every process sharing a cluster must agree on it.
+SHARDS = 64
+TRIM_SLACK = 100  # in a cluster, a table is trimmed once it is over its limit by limit / TRIM_SLACK
 
 _NOW_MS = """
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + tonumber(clock[2]) / 1000
 """
 
-# KEYS: index, tables set, record keys...  ARGV: ttl ms, limit, table name, values... (one per record key)
+# One shard's part of a batch: its deletes, then its puts.
+# KEYS: the shard's tables set; per delete section, the table's index then its
+#   record keys; per put section likewise.
+# ARGV: the number of delete sections; per delete section, its number of keys;
+#   per put section, its number of keys, ttl ms, limit, table name, then one
+#   value per record key.
+# Returns the size of each put section's index after it.
 # Scores are printed with microseconds: records put one after another never tie.
 # Long lists go to unpack() in slices of 1000: Lua's stack is limited.
-PUT = _NOW_MS + """
-local ttl = tonumber(ARGV[1])
-local expires = string.format('%.3f', now + ttl)
-for i = 3, #KEYS do
-    redis.call('SET', KEYS[i], ARGV[i + 1], 'PX', ARGV[1])
-    redis.call('ZADD', KEYS[1], expires, KEYS[i])
-end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('%.3f', now))
-local over = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[2])
-if over > 0 then
-    local soonest = redis.call('ZRANGE', KEYS[1], 0, over - 1)
-    for i = 1, #soonest, 1000 do
-        redis.call('DEL', unpack(soonest, i, math.min(i + 999, #soonest)))
+WRITE = _NOW_MS + """
+local k, a = 2, 2
+for _ = 1, tonumber(ARGV[1]) do
+    local index, count = KEYS[k], tonumber(ARGV[a])
+    for i = k + 1, k + count, 1000 do
+        local last = math.min(i + 999, k + count)
+        redis.call('DEL', unpack(KEYS, i, last))
+        redis.call('ZREM', index, unpack(KEYS, i, last))
     end
-    redis.call('ZREMRANGEBYRANK', KEYS[1], 0, over - 1)
+    k, a = k + 1 + count, a + 1
 end
-if redis.call('PTTL', KEYS[1]) < ttl then
-    redis.call('PEXPIRE', KEYS[1], ARGV[1])
+local sizes = {}
+while a <= #ARGV do
+    local index, count, ttl, limit = KEYS[k], tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+    local expires = string.format('%.3f', now + ttl)
+    for i = 1, count do
+        redis.call('SET', KEYS[k + i], ARGV[a + 3 + i], 'PX', ttl)
+        redis.call('ZADD', index, expires, KEYS[k + i])
+    end
+    redis.call('ZREMRANGEBYSCORE', index, '-inf', string.format('%.3f', now))
+    local over = redis.call('ZCARD', index) - limit
+    if over > 0 then
+        local soonest = redis.call('ZRANGE', index, 0, over - 1)
+        for i = 1, #soonest, 1000 do
+            redis.call('DEL', unpack(soonest, i, math.min(i + 999, #soonest)))
+        end
+        redis.call('ZREMRANGEBYRANK', index, 0, over - 1)
+    end
+    if redis.call('PTTL', index) < ttl then
+        redis.call('PEXPIRE', index, ttl)
+    end
+    redis.call('SADD', KEYS[1], ARGV[a + 3])
+    sizes[#sizes + 1] = redis.call('ZCARD', index)
+    k, a = k + 1 + count, a + 4 + count
 end
-redis.call('SADD', KEYS[2], ARGV[3])
+return sizes
 """
 
 # KEYS: index. Returns key1, value1, key2, value2, ... of the unexpired records.
@@ -91,13 +152,68 @@ end
 redis.call('DEL', KEYS[1])
 """
 
+# KEYS: the secret. ARGV: a new secret, kept only if there is none yet. Returns the secret.
+SECRET = """
+redis.call('SET', KEYS[1], ARGV[1], 'NX')
+return redis.call('GET', KEYS[1])
+"""
+
+# A cluster's table trim, shard by shard: how many records (SIZE), the soonest
+# expiries (SOONEST), then evict the soonest up to a score (EVICT).
+# KEYS: index. Drops expired members; returns how many are left.
+SIZE = _NOW_MS + """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('%.3f', now))
+return redis.call('ZCARD', KEYS[1])
+"""
+
+# KEYS: index.  ARGV: how many. Returns the scores of the soonest-expiring members.
+SOONEST = """
+local found = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1, 'WITHSCORES')
+local scores = {}
+for i = 2, #found, 2 do
+    scores[#scores + 1] = found[i]
+end
+return scores
+"""
+
+# KEYS: index.  ARGV: a score, a count. Deletes the soonest records scored at
+# most that, at most count of them; returns how many.
+EVICT = """
+local soonest = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
+for i = 1, #soonest, 1000 do
+    local last = math.min(i + 999, #soonest)
+    redis.call('DEL', unpack(soonest, i, last))
+    redis.call('ZREM', KEYS[1], unpack(soonest, i, last))
+end
+return #soonest
+"""
+
+ScriptCall = tuple[AsyncScript, list[bytes], list]
+
+
+def cluster_shards(tag: str, shards: int = SHARDS) -> list[bytes]:
+    """The key prefix of each shard of a cluster, ``{<tag>:<n>}:``: for the
+    s-th, the first n whose slot lies in the s-th ``shards``-th of the slot
+    space, so that the shards spread over the masters as the slots do."""
+    found: dict[int, bytes] = {}
+    n = 0
+    while len(found) < shards:
+        name = f"{tag}:{n}".encode()
+        found.setdefault(key_slot(name) * shards // REDIS_CLUSTER_HASH_SLOTS, name)
+        n += 1
+    return [b"{" + found[shard] + b"}:" for shard in range(shards)]
+
 
 class RedisStorage:
-    """Records on a Redis server. Bounds evict the records that expire
-    soonest (the oldest written, for a table written with one ttl). Calls
-    fail fast (``timeout``) instead of retrying. After a connection failure
-    the idle pooled connections are dropped too: one that a vanished server
-    left half-open would otherwise cost another timeout when next used."""
+    """Records on a Redis server or a Redis Cluster. Bounds evict the records
+    that expire soonest (the oldest written, for a table written with one
+    ttl). Calls fail fast (``timeout``) instead of retrying, save that a
+    cluster call that fails to connect is tried once more (the first call on a
+    pooled connection to a restarted master fails so); MOVED and ASK
+    redirections are followed. After a connection failure the idle pooled
+    connections are dropped too: one that a vanished server left half-open
+    would otherwise cost another timeout when next used. A cluster client then
+    also learns the cluster's layout anew."""
 
     def __init__(
         self,
@@ -111,65 +227,124 @@ class RedisStorage:
     ):
         parts = urlsplit(url)
         host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
-        self.name = f"{parts.scheme}://{host}:{parts.port or 6379}/{parts.path.removeprefix('/') or 0}"
+        database = parts.path.removeprefix("/") or "0"
+        self.name = f"{parts.scheme}://{host}:{parts.port or 6379}/{database}"
         self._url = url
+        self._database = int(database)
         self._limits = dict(limits or {})
         self._default_limit = default_limit
         self._connect_timeout = connect_timeout
         self._timeout = timeout
-        self._prefix = b"{" + prefix.encode() + b"}:"
+        self._tag = prefix
+        self._secret_key = b"{" + prefix.encode() + b"}:secret"
         self._secret: bytes | None = None
-        self._client: redis.asyncio.Redis | None = None
+        self._client: Client | None = None
+        self._connecting = asyncio.Lock()
+        self._shards: list[bytes] = []  # each shard's key prefix, once connected
+        self._sizes: dict[str, list[int]] = {}  # per table, each shard's size as last seen
 
-    def _connection(self) -> redis.asyncio.Redis:
+    async def _connection(self) -> Client:
         if self._client is None:
-            self._client = redis.asyncio.Redis.from_url(
-                self._url,
-                socket_connect_timeout=self._connect_timeout,
-                socket_timeout=self._timeout,
-                retry=Retry(NoBackoff(), 0),
-            )
-            self._put_script = self._client.register_script(PUT)
-            self._scan_script = self._client.register_script(SCAN)
-            self._clear_script = self._client.register_script(CLEAR)
+            async with self._connecting:  # one client, when the first calls come at once
+                if self._client is None:
+                    self._client = await self._connect()
         return self._client
 
-    async def _call(self, operation: Callable[[redis.asyncio.Redis], Awaitable[T]]) -> T:
-        client = self._connection()
+    async def _connect(self) -> Client:
+        """A client of the server, or of the cluster it is a node of."""
+        timeouts = {"socket_connect_timeout": self._connect_timeout, "socket_timeout": self._timeout}
+        # Database 0, which every server has: a cluster node refuses to SELECT another.
+        probe = redis.asyncio.Redis.from_url(urlsplit(self._url)._replace(path="").geturl(),
+                                             retry=Retry(NoBackoff(), 0), **timeouts)
         try:
+            clustered = (await probe.info("cluster")).get("cluster_enabled") == 1
+        finally:
+            await probe.aclose()
+        client: Client
+        if clustered:
+            if self._database != 0:
+                raise StorageError(f"{self.name}: a Redis Cluster has database 0 only")
+            client = RedisCluster.from_url(self._url, retry=Retry(NoBackoff(), 1), **timeouts)
+            self._shards = cluster_shards(self._tag)
+        else:
+            client = redis.asyncio.Redis.from_url(self._url, retry=Retry(NoBackoff(), 0), **timeouts)
+            self._shards = [b"{" + self._tag.encode() + b"}:"]
+        self._write_script = client.register_script(WRITE)
+        self._scan_script = client.register_script(SCAN)
+        self._clear_script = client.register_script(CLEAR)
+        self._secret_script = client.register_script(SECRET)
+        self._size_script = client.register_script(SIZE)
+        self._soonest_script = client.register_script(SOONEST)
+        self._evict_script = client.register_script(EVICT)
+        return client
+
+    async def _call(self, operation: Callable[[Client], Awaitable[T]]) -> T:
+        client = None
+        try:
+            client = await self._connection()
             return await operation(client)
-        except (redis.exceptions.RedisError, OSError) as exc:
-            if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)):
-                await client.connection_pool.disconnect(inuse_connections=False)
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
+            if client is not None and isinstance(
+                    exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)):
+                if isinstance(client, RedisCluster):
+                    await client.aclose()  # every connection; the next call asks a node for the slots
+                else:
+                    await client.connection_pool.disconnect(inuse_connections=False)
             raise StorageError(f"{self.name}: {_describe(exc)}") from exc
 
-    def _record_prefix(self, table: str) -> bytes:
-        return self._prefix + b"r:" + check_table(table).encode() + b":"
+    @staticmethod
+    async def _run(client: Client, calls: Sequence[ScriptCall]) -> list:
+        """Each script on the shard its keys name: one call, or one pipeline
+        (in a cluster, one per master, all at once). A master that lost its
+        scripts (restarted, or new) is given them and the calls run again."""
+        if len(calls) == 1:
+            script, keys, args = calls[0]
+            return [await script(keys=keys, args=args)]
+        results = await _pipelined(client, calls)
+        unknown = [i for i, result in enumerate(results) if isinstance(result, redis.exceptions.NoScriptError)]
+        if unknown:
+            for script in {calls[i][0] for i in unknown}:
+                await client.script_load(script.script)  # in a cluster, on every master
+            for i, result in zip(unknown, await _pipelined(client, [calls[i] for i in unknown])):
+                results[i] = result
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return results
 
-    def _index(self, table: str) -> bytes:
-        return self._prefix + b"i:" + table.encode()
+    def _shard(self, key: bytes) -> int:
+        return zlib.crc32(key[:SHARD_TAG_SIZE]) % len(self._shards)
+
+    def _record_prefix(self, shard: int, table: str) -> bytes:
+        return self._shards[shard] + b"r:" + table.encode() + b":"
+
+    def _index(self, shard: int, table: str) -> bytes:
+        return self._shards[shard] + b"i:" + table.encode()
+
+    def _limit(self, table: str) -> int:
+        return self._limits.get(table, self._default_limit)
 
     async def open(self) -> None:
-        await self._call(lambda client: client.ping())
+        await self.ping()
 
     async def secret(self) -> bytes:
         if self._secret is None:
-            key = self._prefix + b"secret"
-
-            async def set_once_then_get(client: redis.asyncio.Redis) -> bytes:
-                async with client.pipeline(transaction=True) as pipe:
-                    pipe.set(key, os.urandom(32), nx=True)
-                    pipe.get(key)
-                    return (await pipe.execute())[1]
-
-            self._secret = await self._call(set_once_then_get)
+            self._secret = await self._call(
+                lambda client: self._secret_script(keys=[self._secret_key], args=[os.urandom(32)]))
         return self._secret
 
     async def get(self, table: str, keys: Sequence[bytes]) -> dict[bytes, bytes]:
-        prefix = self._record_prefix(table)
+        check_table(table)
         if not keys:
             return {}
-        values = await self._call(lambda client: client.mget([prefix + key for key in keys]))
+
+        async def read(client: Client) -> list[bytes | None]:
+            names = [self._record_prefix(self._shard(key), table) + key for key in keys]
+            if isinstance(client, RedisCluster):
+                return await client.mget_nonatomic(names)  # one MGET per slot, pipelined
+            return await client.mget(names)
+
+        values = await self._call(read)
         return {key: value for key, value in zip(keys, values) if value is not None}
 
     async def put(self, table: str, records: Mapping[bytes, bytes], ttl: float) -> None:
@@ -181,41 +356,118 @@ class RedisStorage:
     async def write(self, batch: Batch) -> None:
         for table, *_ in (*batch.deletes, *batch.puts):
             check_table(table)
-        deletes = [(self._index(table), [self._record_prefix(table) + key for key in keys])
-                   for table, keys in batch.deletes if keys]
-        puts = [([self._index(table), self._prefix + b"tables", *(self._record_prefix(table) + key for key in records)],
-                 [max(1, math.ceil(ttl * 1000)), self._limits.get(table, self._default_limit), table,
-                  *records.values()])
-                for table, records, ttl in batch.puts if records]
-        if not deletes and not puts:
+        if not any(keys for _, keys in batch.deletes) and not any(records for _, records, _ in batch.puts):
             return
 
-        async def in_one_transaction(client: redis.asyncio.Redis) -> None:
-            async with client.pipeline(transaction=True) as pipe:
-                for index, record_keys in deletes:
-                    pipe.delete(*record_keys)
-                    pipe.zrem(index, *record_keys)
-                for keys, args in puts:
-                    await self._put_script(keys=keys, args=args, client=pipe)
-                await pipe.execute()
+        async def in_one_script_per_shard(client: Client) -> None:
+            parts = self._shard_parts(batch)
+            sizes = await self._run(client, [(self._write_script, keys, args) for keys, args, _ in parts.values()])
+            for (shard, (_, _, tables)), shard_sizes in zip(parts.items(), sizes):
+                for table, size in zip(tables, shard_sizes):
+                    self._sizes.setdefault(table, [0] * len(self._shards))[shard] = size
+            for table in {table for table, records, _ in batch.puts if records}:
+                limit = self._limit(table)
+                if sum(self._sizes[table]) > limit + limit // TRIM_SLACK:
+                    await self._trim(client, table, limit)
 
-        await self._call(in_one_transaction)
+        await self._call(in_one_script_per_shard)
+
+    def _shard_parts(self, batch: Batch) -> dict[int, tuple[list[bytes], list, list[str]]]:
+        """Each shard's part of ``batch``: the WRITE script's keys and
+        arguments, and the table of each of its put sections."""
+        deletes: dict[int, dict[str, list[bytes]]] = {}
+        for table, keys in batch.deletes:
+            for key in keys:
+                shard = self._shard(key)
+                deletes.setdefault(shard, {}).setdefault(table, []).append(self._record_prefix(shard, table) + key)
+        puts: dict[int, dict[int, tuple[list[bytes], list[bytes]]]] = {}  # shard, then which put of the batch
+        for n, (table, records, _) in enumerate(batch.puts):
+            for key, value in records.items():
+                shard = self._shard(key)
+                names, values = puts.setdefault(shard, {}).setdefault(n, ([], []))
+                names.append(self._record_prefix(shard, table) + key)
+                values.append(value)
+        parts = {}
+        for shard in {*deletes, *puts}:
+            keys = [self._shards[shard] + b"tables"]
+            args: list = [len(deletes.get(shard, {}))]
+            for table, names in deletes.get(shard, {}).items():
+                keys += [self._index(shard, table), *names]
+                args.append(len(names))
+            tables = []
+            for n, (names, values) in puts.get(shard, {}).items():
+                table, _, ttl = batch.puts[n]
+                keys += [self._index(shard, table), *names]
+                args += [len(names), max(1, math.ceil(ttl * 1000)), self._limit(table), table, *values]
+                tables.append(table)
+            parts[shard] = (keys, args, tables)
+        return parts
+
+    async def _trim(self, client: Client, table: str, limit: int) -> None:
+        """Evict the soonest-expiring records of ``table`` beyond ``limit``,
+        over every shard: count them all, take from each shard its soonest
+        (up to twice its share of those to evict, and one more), and evict the
+        soonest among them."""
+        indexes = [self._index(shard, table) for shard in range(len(self._shards))]
+        sizes = await self._run(client, [(self._size_script, [index], []) for index in indexes])
+        self._sizes[table] = sizes
+        total = sum(sizes)
+        over = total - limit
+        if over <= 0:
+            return
+        heads = {shard: min(size, over, 2 * math.ceil(over * size / total) + 1)
+                 for shard, size in enumerate(sizes) if size}
+        soonest = await self._run(client, [(self._soonest_script, [indexes[shard]], [count])
+                                           for shard, count in heads.items()])
+        chosen = heapq.nsmallest(over, ((float(score), shard) for shard, scores in zip(heads, soonest)
+                                        for score in scores))
+        evictions: dict[int, tuple[float, int]] = {}
+        for score, shard in chosen:  # ascending: the last score of a shard is its highest
+            evictions[shard] = (score, evictions.get(shard, (score, 0))[1] + 1)
+        evicted = await self._run(client, [(self._evict_script, [indexes[shard]], [score, count])
+                                           for shard, (score, count) in evictions.items()])
+        for shard, count in zip(evictions, evicted):
+            sizes[shard] -= count
 
     async def scan(self, table: str) -> dict[bytes, bytes]:
-        prefix = self._record_prefix(table)
-        flat = await self._call(lambda client: self._scan_script(keys=[self._index(table)]))
-        return {flat[i].removeprefix(prefix): flat[i + 1] for i in range(0, len(flat), 2)}
+        check_table(table)
+
+        async def read(client: Client) -> dict[bytes, bytes]:
+            shards = range(len(self._shards))
+            flats = await self._run(client, [(self._scan_script, [self._index(shard, table)], []) for shard in shards])
+            found = {}
+            for shard, flat in zip(shards, flats):
+                prefix = self._record_prefix(shard, table)
+                found.update((flat[i].removeprefix(prefix), flat[i + 1]) for i in range(0, len(flat), 2))
+            return found
+
+        return await self._call(read)
 
     async def clear(self) -> None:
-        await self._call(lambda client: self._clear_script(keys=[self._prefix + b"tables"], args=[self._prefix + b"i:"]))
+        await self._call(lambda client: self._run(
+            client, [(self._clear_script, [shard + b"tables"], [shard + b"i:"]) for shard in self._shards]))
+        self._sizes.clear()
 
     async def ping(self) -> None:
-        await self._call(lambda client: client.ping())
+        await self._call(lambda client: client.ping(target_nodes=RedisCluster.PRIMARIES)
+                         if isinstance(client, RedisCluster) else client.ping())
 
     async def close(self) -> None:
         client, self._client = self._client, None
+        self._sizes.clear()
         if client is not None:
             await client.aclose()
+
+
+async def _pipelined(client: Client, calls: Sequence[ScriptCall]) -> list:
+    """EVALSHA of each call in one pipeline, each result or error in its
+    place. (A cluster pipeline blocks its evalsha() method, which cannot load a
+    script a master lacks; ``RedisStorage._run`` does. The command itself goes
+    to the master of its keys' slot.)"""
+    pipe = client.pipeline(transaction=False)
+    for script, keys, args in calls:
+        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+    return await pipe.execute(raise_on_error=False)
 
 
 def _describe(exc: BaseException) -> str:
@@ -227,6 +479,12 @@ def _describe(exc: BaseException) -> str:
         return "timed out"
     if isinstance(exc, (redis.exceptions.ConnectionError, OSError)):
         return "unreachable"
+    if isinstance(exc, redis.exceptions.ClusterDownError):
+        return "the cluster is down"
+    if isinstance(exc, redis.exceptions.ClusterError):
+        return "redirected too often (slots moving)"
+    if isinstance(exc, redis.exceptions.RedisClusterException):
+        return "no cluster to be reached"
     if isinstance(exc, redis.exceptions.ResponseError):
         code = str(exc).split(" ", 1)[0]
         return f"refused the command ({code})" if code.isalpha() and code.isupper() else "refused the command"
