@@ -32,13 +32,12 @@ written and others not. The records of one shard tag are never seen half
 written.
 
 Bounds: a write keeps its shard's part of a table within the table's limit,
-which on one server is the whole table, so the bound is exact. In a cluster
-the writing process also adds up the shard sizes its writes returned; past
-the limit and 1% it counts every shard and evicts the soonest-expiring records
-beyond the limit. So a table may outgrow its limit by about 1%, and for a
-while by what other processes wrote to shards this one has not written to
-since; and what goes is the soonest-expiring, save when one shard holds more
-than twice its share of it (that shard then loses less, until the next trim).
+which on one server is the whole table, so the bound is exact. In a cluster, a
+process that has put 1% of a table's limit into it since it last counted the
+table counts every shard, and evicts the soonest-expiring records beyond the
+limit. So a table outgrows its limit by about 1% for each process that writes
+it, and what goes is the soonest-expiring, save when one shard holds more than
+twice its share of it (that shard then loses less, until the next count).
 """
 
 from __future__ import annotations
@@ -69,7 +68,7 @@ Client = redis.asyncio.Redis | RedisCluster
 # that a scan, a clear or a trim (which visit them all) stays one pipeline per
 # master. Every process sharing a cluster must agree on it.
 SHARDS = 64
-TRIM_SLACK = 100  # in a cluster, a table is trimmed once it is over its limit by limit / TRIM_SLACK
+TRIM_SLACK = 100  # in a cluster, a writer counts a table after putting limit / TRIM_SLACK records into it
 
 _NOW_MS = """
 local clock = redis.call('TIME')
@@ -82,7 +81,6 @@ local now = tonumber(clock[1]) * 1000 + tonumber(clock[2]) / 1000
 # ARGV: the number of delete sections; per delete section, its number of keys;
 #   per put section, its number of keys, ttl ms, limit, table name, then one
 #   value per record key.
-# Returns the size of each put section's index after it.
 # Scores are printed with microseconds: records put one after another never tie.
 # Long lists go to unpack() in slices of 1000: Lua's stack is limited.
 WRITE = _NOW_MS + """
@@ -96,7 +94,6 @@ for _ = 1, tonumber(ARGV[1]) do
     end
     k, a = k + 1 + count, a + 1
 end
-local sizes = {}
 while a <= #ARGV do
     local index, count, ttl, limit = KEYS[k], tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
     local expires = string.format('%.3f', now + ttl)
@@ -117,10 +114,8 @@ while a <= #ARGV do
         redis.call('PEXPIRE', index, ttl)
     end
     redis.call('SADD', KEYS[1], ARGV[a + 3])
-    sizes[#sizes + 1] = redis.call('ZCARD', index)
     k, a = k + 1 + count, a + 4 + count
 end
-return sizes
 """
 
 # KEYS: index. Returns key1, value1, key2, value2, ... of the unexpired records.
@@ -177,7 +172,7 @@ return scores
 """
 
 # KEYS: index.  ARGV: a score, a count. Deletes the soonest records scored at
-# most that, at most count of them; returns how many.
+# most that, at most count of them.
 EVICT = """
 local soonest = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
 for i = 1, #soonest, 1000 do
@@ -185,7 +180,6 @@ for i = 1, #soonest, 1000 do
     redis.call('DEL', unpack(soonest, i, last))
     redis.call('ZREM', KEYS[1], unpack(soonest, i, last))
 end
-return #soonest
 """
 
 ScriptCall = tuple[AsyncScript, list[bytes], list]
@@ -241,7 +235,7 @@ class RedisStorage:
         self._client: Client | None = None
         self._connecting = asyncio.Lock()
         self._shards: list[bytes] = []  # each shard's key prefix, once connected
-        self._sizes: dict[str, list[int]] = {}  # per table, each shard's size as last seen
+        self._uncounted: dict[str, int] = {}  # in a cluster, per table: records put since it was last counted
 
     async def _connection(self) -> Client:
         if self._client is None:
@@ -360,21 +354,21 @@ class RedisStorage:
             return
 
         async def in_one_script_per_shard(client: Client) -> None:
-            parts = self._shard_parts(batch)
-            sizes = await self._run(client, [(self._write_script, keys, args) for keys, args, _ in parts.values()])
-            for (shard, (_, _, tables)), shard_sizes in zip(parts.items(), sizes):
-                for table, size in zip(tables, shard_sizes):
-                    self._sizes.setdefault(table, [0] * len(self._shards))[shard] = size
+            await self._run(client, [(self._write_script, keys, args) for keys, args in self._shard_parts(batch)])
+            if len(self._shards) == 1:
+                return  # the shard's bound is the table's
+            for table, records, _ in batch.puts:
+                self._uncounted[table] = self._uncounted.get(table, 0) + len(records)
             for table in {table for table, records, _ in batch.puts if records}:
                 limit = self._limit(table)
-                if sum(self._sizes[table]) > limit + limit // TRIM_SLACK:
+                if self._uncounted[table] > limit // TRIM_SLACK:
                     await self._trim(client, table, limit)
+                    self._uncounted[table] = 0
 
         await self._call(in_one_script_per_shard)
 
-    def _shard_parts(self, batch: Batch) -> dict[int, tuple[list[bytes], list, list[str]]]:
-        """Each shard's part of ``batch``: the WRITE script's keys and
-        arguments, and the table of each of its put sections."""
+    def _shard_parts(self, batch: Batch) -> list[tuple[list[bytes], list]]:
+        """Each shard's part of ``batch``: the WRITE script's keys and arguments."""
         deletes: dict[int, dict[str, list[bytes]]] = {}
         for table, keys in batch.deletes:
             for key in keys:
@@ -387,20 +381,18 @@ class RedisStorage:
                 names, values = puts.setdefault(shard, {}).setdefault(n, ([], []))
                 names.append(self._record_prefix(shard, table) + key)
                 values.append(value)
-        parts = {}
+        parts = []
         for shard in {*deletes, *puts}:
             keys = [self._shards[shard] + b"tables"]
             args: list = [len(deletes.get(shard, {}))]
             for table, names in deletes.get(shard, {}).items():
                 keys += [self._index(shard, table), *names]
                 args.append(len(names))
-            tables = []
             for n, (names, values) in puts.get(shard, {}).items():
                 table, _, ttl = batch.puts[n]
                 keys += [self._index(shard, table), *names]
                 args += [len(names), max(1, math.ceil(ttl * 1000)), self._limit(table), table, *values]
-                tables.append(table)
-            parts[shard] = (keys, args, tables)
+            parts.append((keys, args))
         return parts
 
     async def _trim(self, client: Client, table: str, limit: int) -> None:
@@ -410,7 +402,6 @@ class RedisStorage:
         soonest among them."""
         indexes = [self._index(shard, table) for shard in range(len(self._shards))]
         sizes = await self._run(client, [(self._size_script, [index], []) for index in indexes])
-        self._sizes[table] = sizes
         total = sum(sizes)
         over = total - limit
         if over <= 0:
@@ -424,10 +415,8 @@ class RedisStorage:
         evictions: dict[int, tuple[float, int]] = {}
         for score, shard in chosen:  # ascending: the last score of a shard is its highest
             evictions[shard] = (score, evictions.get(shard, (score, 0))[1] + 1)
-        evicted = await self._run(client, [(self._evict_script, [indexes[shard]], [score, count])
-                                           for shard, (score, count) in evictions.items()])
-        for shard, count in zip(evictions, evicted):
-            sizes[shard] -= count
+        await self._run(client, [(self._evict_script, [indexes[shard]], [score, count])
+                                 for shard, (score, count) in evictions.items()])
 
     async def scan(self, table: str) -> dict[bytes, bytes]:
         check_table(table)
@@ -446,7 +435,6 @@ class RedisStorage:
     async def clear(self) -> None:
         await self._call(lambda client: self._run(
             client, [(self._clear_script, [shard + b"tables"], [shard + b"i:"]) for shard in self._shards]))
-        self._sizes.clear()
 
     async def ping(self) -> None:
         await self._call(lambda client: client.ping(target_nodes=RedisCluster.PRIMARIES)
@@ -454,7 +442,6 @@ class RedisStorage:
 
     async def close(self) -> None:
         client, self._client = self._client, None
-        self._sizes.clear()
         if client is not None:
             await client.aclose()
 
