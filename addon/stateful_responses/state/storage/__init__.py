@@ -4,12 +4,20 @@ The backends store bytes under keys, in named tables, each record with an
 expiry, and know nothing of what the bytes mean: the planner and the emulation
 decide what is worth keeping, the way hishel keeps its storages apart from its
 cache policy. ``memory`` keeps everything in the process, ``sqlite`` in one
-file (several proxies may share it), ``redis`` on a server shared by any
-number of proxies.
+file (several proxies may share it), ``redis`` on a server or a Redis Cluster
+shared by any number of proxies.
+
+A key's first ``SHARD_TAG_SIZE`` bytes are its shard tag: a backend that
+spreads records over servers (a Redis Cluster) keeps the records of one tag
+together, in every table, and writes them at once. Keys that are digests
+spread record by record; ``shard_key`` leads a key with the tag of whatever
+its records must change with (a tenant, a conversation). Memory and SQLite
+keep everything together anyway and ignore tags.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -52,8 +60,9 @@ class Storage(Protocol):
 
     async def write(self, batch: Batch) -> None:
         """Apply ``batch`` in one call: its deletes, then its puts, then its
-        touches, in one transaction (SQLite) or MULTI/EXEC (Redis). ``put``
-        and ``delete`` are one-table batches."""
+        touches, in one transaction (SQLite, a Redis server), or in a Redis
+        Cluster one per shard, which holds whole shard tags. ``put`` and
+        ``delete`` are one-table batches."""
 
     async def scan(self, table: str) -> dict[bytes, bytes]:
         """Every unexpired record of a small table (marks), in one call."""
@@ -77,6 +86,16 @@ class Batch:
     puts: Sequence[tuple[str, Mapping[bytes, bytes], float]] = ()
     deletes: Sequence[tuple[str, Sequence[bytes]]] = ()
     touches: Sequence[tuple[str, Sequence[bytes], float]] = ()
+
+
+SHARD_TAG_SIZE = 8  # bytes that lead a key and say which records belong together (the whole key, if shorter)
+
+
+def shard_key(tag: bytes, key: bytes) -> bytes:
+    """``key`` led by a shard tag made from ``tag``: records whose keys come
+    from one tag stay together (one slot of a Redis Cluster), so that one
+    write of them is atomic wherever they live."""
+    return hashlib.blake2b(tag, digest_size=SHARD_TAG_SIZE).digest() + key
 
 
 DEFAULT_SQLITE_FILE = "stateful-responses.sqlite3"
