@@ -60,13 +60,13 @@ from stateful_responses.forward.planner import Planner  # noqa: E402
 from stateful_responses.reading import Request  # noqa: E402
 from stateful_responses.store_emulation.history import History  # noqa: E402
 from stateful_responses.settings import Config, Settings  # noqa: E402
+from stateful_responses.state.outbox import apply_writes  # noqa: E402
 from stateful_responses.state.storage import Storage  # noqa: E402
 from stateful_responses.state.storage.memory import MemoryStorage  # noqa: E402
 from stateful_responses.state.storage.redis import RedisStorage  # noqa: E402
 from stateful_responses.state.storage.sqlite import SQLiteStorage  # noqa: E402
 from stateful_responses.store_emulation.turns import Tenant  # noqa: E402
 from stateful_responses.store_emulation.conversations import Conversations  # noqa: E402
-from stateful_responses.state.addon import _apply as apply_writes  # noqa: E402
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for a city.",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
@@ -298,6 +298,7 @@ def plan_case(size: int, count: int, rounds: int) -> str:
     warm = Planner()
     plan = warm.plan(Request("POST", url, AUTH, json.dumps(prev).encode()))
     warm.settle(plan, 200, {"id": "resp_prev", "status": "completed", "store": True, "output": items[-2:-1]})
+    warm.upstreams.mark("reads_back", plan.scope)  # what the glue's proof marks
     assert warm.plan(Request("POST", url, AUTH, body)).action == "continue"
 
     def fresh() -> Request:
@@ -383,12 +384,13 @@ def bench_memory(quick: bool) -> list[str]:
         output = [{"type": "message", "id": f"msg_{n}", "status": "completed", "role": "assistant",
                    "content": [{"type": "output_text", "text": f"answer {n} " + "a" * pad}]}]
         planner.settle(plan, 200, {"id": f"resp_{n}", "status": "completed", "store": True, "output": output})
+        planner.upstreams.mark("reads_back", plan.scope)  # what the glue's proof marks, once
         history += output + [{"role": "user", "content": f"turn {n} " + "u" * pad}]
         if (n + 1) % (requests // 10) == 0:
             gc.collect()
             live = sum(stat.size for stat in tracemalloc.take_snapshot().filter_traces(ours).statistics("filename"))
             samples.append((n + 1, live / 2**20, rss_mb() - base, planner.store.branch_count, len(planner.store),
-                            len(planner.digests)))
+                            len(planner.reader.digests)))
     tracemalloc.stop()
     rows = ["| requests | planner's live memory | process RSS growth (incl. the client's own histories) "
             "| branches (bound 256) | stored entries | cached items |", "|---|---|---|---|---|---|"]
@@ -616,12 +618,8 @@ def answer(n: int, size: int) -> dict:
 
 
 async def store_writes(storage: Storage, writes: list) -> None:
-    """The recorder's outbox into the store, one put per table, as a glue would."""
-    batches: dict[tuple[str, float], dict[bytes, bytes]] = {}
-    for write in writes:
-        batches.setdefault((write.table, write.ttl), {})[write.key] = write.value
-    for (table, ttl), records in batches.items():
-        await storage.put(table, records, ttl)
+    """The recorder's outbox into the store, in one batch, as the glue writes it."""
+    await apply_writes(storage, writes)
 
 
 async def opened_sqlite(path: str, sealed: bool = True) -> tuple[SQLiteStorage, Tenant]:

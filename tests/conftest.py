@@ -10,6 +10,7 @@ import pytest
 from harness import start_mitmdump
 from litellm_server import fresh_emulator, litellm_gateway  # noqa: F401 (fixtures: a real LiteLLM proxy in front of
 # the emulator)
+from redis_cluster import own_redis_cluster, redis_cluster, shared_redis_cluster  # noqa: F401 (a real Redis Cluster)
 from redis_server import redis_server  # noqa: F401 (a fixture: a real redis-server on loopback)
 from stateful_responses.emulator import Emulator
 

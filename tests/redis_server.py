@@ -1,6 +1,7 @@
-"""A real redis-server for tests: 127.0.0.1 on a free port, nothing persisted,
-stopped at teardown. It can be stopped and started again on the same port,
-paused (SIGSTOP) to make calls time out, and given a password."""
+"""A real redis-server for tests: 127.0.0.1 on a free port, nothing persisted
+unless its options say so, stopped at teardown. It can be stopped and started
+again on the same port, paused (SIGSTOP) to make calls time out, and given a
+password."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -24,10 +26,12 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, directory: Path, password: str | None = None):
+    def __init__(self, directory: Path, password: str | None = None, *, port: int | None = None,
+                 options: Sequence[str] = ()):
         self.directory = directory
         self.password = password
-        self.port = free_port()
+        self.port = port or free_port()
+        self.options = list(options)  # more redis-server options; they win over the defaults above them
         self.process: subprocess.Popen | None = None
         directory.mkdir(parents=True, exist_ok=True)
 
@@ -45,6 +49,7 @@ class RedisServer:
         ]
         if self.password:
             command += ["--requirepass", self.password]
+        command += self.options
         self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while not self._answers_ping():

@@ -9,7 +9,7 @@ import json
 
 import pytest
 from stateful_responses.settings import Config
-from stateful_responses.state.addon import _apply
+from stateful_responses.state.outbox import apply_writes
 from stateful_responses.state.storage import log_entry
 from stateful_responses.state.storage.memory import MemoryStorage
 from stateful_responses.store_emulation import conversations as module
@@ -45,7 +45,7 @@ class Replica:
         return await self.conversations.find(tenant, conversation_id, self.storage.get)
 
     async def flush(self) -> None:
-        await _apply(self.storage, self.conversations.take_writes())
+        await apply_writes(self.storage, self.conversations.take_writes())
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
@@ -216,6 +217,9 @@ def test_a_seal_key_outside_the_store_protects_tenants_without_a_credential(emul
     assert asyncio.run(read(b"")) is None  # the store and the placeholder key alone open nothing
     assert asyncio.run(read(b"k" * 32)) is not None
     unprotected = start_proxy(emulator.url, "--set", "stateful_emulate=always")
+    deadline = time.monotonic() + 10  # the log may come a moment after the proxy listens
+    while "not protected at rest" not in unprotected.output() and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert "not protected at rest" in unprotected.output()
 
 

@@ -95,3 +95,51 @@ def test_a_5xx_fails_over_with_full_history_invisibly(upstreams, start_proxy, tm
     lines = [json.loads(line) for line in record_file.read_text().splitlines()]
     moved = [line for line in lines if any(e["field"] == "upstream" for e in line["audit"]["protocolMapping"]["lossy"])]
     assert len(moved) == 1
+
+
+def test_a_5xx_on_a_turn_that_needs_its_home_reaches_the_client_and_its_retry_goes_home(upstreams, start_proxy):
+    """Without store emulation, a previous_response_id turn can only be
+    answered where its chain is stored: its 5xx reaches the client, whose
+    SDK retries it, and the retry goes home again."""
+    proxy = start_proxy(upstreams[0].url, "--set", "stateful_upstreams=" + ",".join(u.url for u in upstreams))
+    conv = ChainedConversation(proxy.url)
+    conv.client = conv.client.with_options(max_retries=2)  # the openai SDK's default
+    client = Tracked(conv, upstreams)
+    for n in range(2):
+        client.turn(f"turn {n}")
+    home = client.served[-1][0]
+    upstreams[home].model.control({"fail_next": [{"kind": "status", "status": 500, "when": "continued"}]})
+    client.turn("the home upstream fails this one once")
+    client.turn("and the chain goes on")
+    conv.close()
+    assert {index for index, _ in client.served} == {home}
+    for number, (context, (_, record)) in enumerate(zip(client.meant(), client.served, strict=True)):
+        assert drop_nulls(record["context"]) == drop_nulls(expand_input(context)), f"request {number}"
+    elsewhere = [r for u in upstreams for r in u.model.snapshot_log() if r["status_code"] == 400]
+    assert elsewhere == []  # never moved to an upstream that would answer previous_response_not_found
+
+
+@pytest.mark.parametrize("how", ["restart", "replica"])
+def test_a_chain_is_routed_home_after_a_restart_and_through_another_replica(upstreams, start_proxy, tmp_path, how):
+    shared = f"sqlite:{tmp_path / 'shared.db'}"
+    routing = ("--set", "stateful_upstreams=" + ",".join(u.url for u in upstreams), "--set", f"stateful_store={shared}")
+    first = start_proxy(upstreams[0].url, *routing)
+    clients = [Tracked(ChainedConversation(first.url, api_key=f"sk-{n}"), upstreams) for n in range(3)]
+    for client in clients:
+        client.turn("opening")
+    homes = [client.served[-1][0] for client in clients]
+    assert len(set(homes)) == 3  # spread: one chain per upstream
+    if how == "restart":
+        port = first.port
+        first.stop()
+        second = start_proxy(upstreams[0].url, *routing, port=port)
+    else:
+        second = start_proxy(upstreams[0].url, *routing)
+    for client in clients:
+        client.conv.client = client.conv.client.with_options(base_url=second.url + "/v1")
+        client.turn("after the " + how)
+        client.conv.close()
+    assert [client.served[-1][0] for client in clients] == homes
+    for client in clients:
+        for number, (context, (_, record)) in enumerate(zip(client.meant(), client.served, strict=True)):
+            assert drop_nulls(record["context"]) == drop_nulls(expand_input(context)), f"request {number}"

@@ -109,11 +109,15 @@ def test_kill_9_mid_stream_leaves_the_store_intact(emulator, start_proxy, tmp_pa
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-@pytest.mark.parametrize("store", ["redis", "sqlite"])
+@pytest.mark.parametrize("store", ["redis", "redis-cluster", "sqlite"])
 def test_replicas_sharing_a_store_continue_every_request_of_a_client_alternating_between_them(
         emulator, start_proxy, tmp_path, request, store, stream):
-    spec = request.getfixturevalue("redis_server").url if store == "redis" else f"sqlite:{tmp_path / 'shared.db'}"
-    proxies = [start_proxy(emulator.url, "--set", f"stateful_store={spec}") for _ in range(2)]
+    if store == "redis-cluster":  # each replica names another node of the cluster
+        specs = [master.url for master in request.getfixturevalue("redis_cluster").masters[:2]]
+    else:
+        spec = request.getfixturevalue("redis_server").url if store == "redis" else f"sqlite:{tmp_path / 'shared.db'}"
+        specs = [spec, spec]
+    proxies = [start_proxy(emulator.url, "--set", f"stateful_store={spec}") for spec in specs]
     client = Alternating(proxies, stream=stream)
     client.turns(user_turns(8))
     client.close()
@@ -123,6 +127,8 @@ def test_replicas_sharing_a_store_continue_every_request_of_a_client_alternating
     assert all(continued(emulator)[1:]), continued(emulator)
     for proxy in proxies:
         assert "unavailable" not in proxy.output() and "internal error" not in proxy.output()
+    if store == "redis-cluster":  # the records spread over the masters
+        assert sum(1 for keys in request.getfixturevalue("redis_cluster").keys_per_master() if keys) >= 2
 
 
 def test_redis_stopping_mid_run_is_invisible_and_heals(emulator, start_proxy, redis_server):

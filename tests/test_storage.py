@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import redis.asyncio
@@ -20,6 +21,7 @@ from redis.crc import key_slot
 from redis_server import start_redis_server
 from stateful_responses.state.storage import (
     DEFAULT_SQLITE_FILE,
+    SHARD_TAG_SIZE,
     Batch,
     StorageError,
     StoreSpec,
@@ -27,9 +29,10 @@ from stateful_responses.state.storage import (
     log_length,
     open_storage,
     parse_store_spec,
+    shard_key,
 )
 from stateful_responses.state.storage.memory import MemoryStorage
-from stateful_responses.state.storage.redis import RedisStorage
+from stateful_responses.state.storage.redis import SHARDS, RedisStorage, cluster_shards
 from stateful_responses.state.storage.sqlite import GET, SQLiteStorage
 
 LIMITS = {"small": 3}
@@ -86,7 +89,7 @@ def test_open_storage_builds_the_named_backend(tmp_path):
 
 # The contract every backend keeps
 
-BACKENDS = ["memory", "sqlite", "redis"]
+BACKENDS = ["memory", "sqlite", "redis", "redis-cluster"]
 
 # The contract is not about speed: the default half-second fail-fast timeouts
 # flake on a busy 2-core machine. Tests about timeouts set their own.
@@ -104,7 +107,8 @@ async def make_storage(request, tmp_path):
         elif request.param == "sqlite":
             storage = SQLiteStorage(str(tmp_path / "store.sqlite3"), limits, **options)
         else:
-            storage = RedisStorage(request.getfixturevalue("redis_server").url, limits, **{**PATIENT, **options})
+            server = request.getfixturevalue("redis_server" if request.param == "redis" else "redis_cluster")
+            storage = RedisStorage(server.url, limits, **{**PATIENT, **options})
         made.append(storage)
         return storage
 
@@ -160,7 +164,7 @@ async def test_a_batch_deletes_then_puts_across_tables_each_with_its_own_ttl(sto
 
 @pytest.mark.parametrize("make_storage", ["sqlite", "redis"], indirect=True)
 async def test_a_batch_that_fails_writes_nothing(storage):
-    """One transaction (SQLite) or one MULTI/EXEC (Redis): the state never
+    """One transaction (SQLite) or one script (Redis): the state never
     shows a batch half applied."""
     await storage.put("entries", {b"a": b"1"}, ttl=60)
     with pytest.raises(StorageError):
@@ -245,6 +249,15 @@ async def test_clear_forgets_every_table_and_the_store_stays_usable(storage):
     assert await storage.get("entries", [b"a", b"c"]) == {b"c": b"3"}
 
 
+async def test_keys_led_by_a_shard_tag_are_keys_like_any_other(storage):
+    tagged = {shard_key(b"tenant-1", b"turn"): b"1", shard_key(b"tenant-1", b"item"): b"2",
+              shard_key(b"tenant-2", b"turn"): b"3"}
+    assert len({key[:SHARD_TAG_SIZE] for key in tagged}) == 2
+    await storage.write(Batch(puts=[("turns", tagged, 60)], deletes=[("turns", [shard_key(b"tenant-2", b"none")])]))
+    assert await storage.get("turns", list(tagged)) == tagged
+    assert await storage.scan("turns") == tagged
+
+
 # Append-only logs
 
 LOG = bytes(range(16))
@@ -297,11 +310,10 @@ async def test_the_writer_keeps_every_append_and_a_drop_takes_what_was_queued_be
     """What the state store's writer makes of queued writes: appends to one
     log each kept, in order; a log started and dropped in the same batch (a
     conversation made and deleted at once) leaves nothing."""
-    from stateful_responses.state.addon import _apply
-    from stateful_responses.state.outbox import Write
+    from stateful_responses.state.outbox import Write, apply_writes
 
     other = b"\xff" * 16
-    await _apply(storage, [Write("entries", LOG, b"start", 60, log="start"),
+    await apply_writes(storage, [Write("entries", LOG, b"start", 60, log="start"),
                            Write("entries", LOG, b"one", 60, log="append"),
                            Write("entries", LOG, b"two", 60, log="append"),
                            Write("entries", other, b"doomed", 60, log="start"),
@@ -311,7 +323,7 @@ async def test_the_writer_keeps_every_append_and_a_drop_takes_what_was_queued_be
     assert await read_log(storage, other) is None
 
 
-@pytest.mark.parametrize("make_storage", ["sqlite", "redis"], indirect=True)
+@pytest.mark.parametrize("make_storage", ["sqlite", "redis", "redis-cluster"], indirect=True)
 async def test_concurrent_appends_each_get_their_own_places(make_storage):
     """Two stores on one file or server (two replicas) appending at once:
     every value lands once, nothing is overwritten, each writer's in order."""
@@ -724,3 +736,172 @@ async def test_a_redis_that_lost_its_secret_gets_it_back_before_any_record(make_
     assert (await make_redis().keyring())[0] == secret  # a replica starting now shares it
     await raw_redis.flushall()
     assert await make_redis().keyring(secret) == (secret, ())  # so does a reconnect
+
+
+# Redis Cluster
+
+
+@pytest.fixture
+async def make_redis_at():
+    """Builds Redis stores on the URLs given; closes them all."""
+    made = []
+
+    def make(url, limits=LIMITS, **options):
+        made.append(RedisStorage(url, limits, **{**PATIENT, **options}))
+        return made[-1]
+
+    yield make
+    for storage in made:
+        await storage.close()
+
+
+def record_keys(cluster) -> list[bytes]:
+    """Every record key on every master (KEYS: fine for a test's few thousand)."""
+    keys = []
+    for master in range(len(cluster.masters)):
+        with cluster.client(master) as client:
+            keys += [key for key in client.keys("*") if b"}:r:" in key]
+    return keys
+
+
+async def test_any_node_names_the_cluster_and_every_process_gets_one_secret(redis_cluster, make_redis_at):
+    stores = [make_redis_at(master.url) for master in redis_cluster.masters]
+    records = {bytes([n]): b"%d" % n for n in range(100)}
+    await stores[0].put("entries", records, ttl=60)
+    for storage in stores[1:]:
+        assert await storage.get("entries", list(records)) == records
+    secrets = in_other_processes(redis_cluster.masters[2].url, "secret", count=3)
+    assert len(set(secrets)) == 1
+    assert {(await storage.keyring())[0].hex() for storage in stores} == set(secrets)
+    with pytest.raises(StorageError, match="a Redis Cluster has database 0 only"):
+        await make_redis_at(redis_cluster.url.removesuffix("/0") + "/1").open()
+
+
+async def test_a_thousand_tags_spread_over_every_master_each_tag_in_one_slot(redis_cluster, make_redis_at):
+    storage = make_redis_at(redis_cluster.url, default_limit=10**6)  # too high a limit for the write to count the table
+    await storage.put("turns", {b"warm": b"up"}, ttl=60)  # the scripts are on every master now
+    for master in range(len(redis_cluster.masters)):
+        with redis_cluster.client(master) as client:
+            client.config_resetstat()
+    tags = [b"tenant-%d" % n for n in range(1000)]
+    await storage.write(Batch(puts=[("turns", {shard_key(tag, b"turn"): b"t" for tag in tags}, 60),
+                                    ("items", {shard_key(tag, b"item"): b"i" for tag in tags}, 60)]))
+
+    scripts = 0
+    for master in range(len(redis_cluster.masters)):
+        with redis_cluster.client(master) as client:
+            scripts += client.info("commandstats")["cmdstat_evalsha"]["calls"]
+    assert scripts == SHARDS  # one script per shard, whatever the tables and tags in it
+    keys = redis_cluster.keys_per_master()
+    shares = [count / sum(keys) for count in keys]
+    print(f"keys per master (DBSIZE) for 1000 tags: {keys}, shares {', '.join(f'{s:.1%}' for s in shares)}")
+    assert all(0.25 < share < 0.42 for share in shares), keys
+    slots_of_tag: dict[bytes, set[int]] = {}
+    for key in record_keys(redis_cluster):
+        table_and_key = key.partition(b"}:r:")[2]
+        record_key = table_and_key.partition(b":")[2]
+        slots_of_tag.setdefault(record_key[:SHARD_TAG_SIZE], set()).add(key_slot(key))
+    slots_of_tag.pop(b"warm", None)
+    assert len(slots_of_tag) == 1000 and all(len(slots) == 1 for slots in slots_of_tag.values())
+    assert len(set().union(*slots_of_tag.values())) == SHARDS
+
+
+async def test_a_cluster_table_keeps_about_its_limit_newest_first(redis_cluster, make_redis_at):
+    """Each write bounds its shard; the writer counts the whole table after
+    putting 1% of its limit, and evicts the soonest beyond it."""
+    storage = make_redis_at(redis_cluster.url, limits={"turns": 1000})
+    written: list[bytes] = []
+    for batch in range(60):
+        records = {shard_key(b"tag-%d" % (batch * 50 + n), b"turn"): b"v" for n in range(50)}
+        await storage.put("turns", records, ttl=60)
+        written += records
+    survivors = await storage.scan("turns")
+    newest = set(written[-len(survivors):])
+    print(f"3000 records put 50 at a time into a table of 1000: {len(survivors)} kept, "
+          f"{len(newest & set(survivors))} of them among the newest {len(survivors)}")
+    assert 1000 <= len(survivors) <= 1010
+    assert len(newest & set(survivors)) >= 0.98 * len(survivors)
+
+
+async def test_writers_that_each_fill_one_shard_still_keep_a_cluster_table_near_its_limit(redis_cluster,
+                                                                                           make_redis_at):
+    """A writer counts every shard, not only those it writes to."""
+    limit = 200
+    writers = [make_redis_at(redis_cluster.masters[n % 3].url, limits={"turns": limit}) for n in range(4)]
+    for turn in range(100):
+        for n, writer in enumerate(writers):
+            await writer.put("turns", {shard_key(b"tenant-%d" % n, b"turn %d" % turn): b"v"}, ttl=60)
+    kept = len(await writers[0].scan("turns"))
+    print(f"4 writers, one tag each, 400 records into a table of {limit}: {kept} kept")
+    assert limit <= kept <= limit + len(writers) * (limit // 100 + 1)
+
+
+async def test_a_slot_migration_mid_run_loses_nothing(own_redis_cluster, make_redis_at):
+    cluster = own_redis_cluster
+    storage = make_redis_at(cluster.url)
+    acknowledged = {shard_key(b"tenant-%d" % n, b"turn"): b"%d" % n for n in range(1000)}
+    await storage.put("turns", acknowledged, ttl=600)
+
+    async def step(n: int) -> None:
+        """Write a new record, read back fifty acknowledged ones."""
+        key = shard_key(b"later-%d" % n, b"turn")
+        await storage.put("turns", {key: b"later %d" % n}, ttl=600)
+        acknowledged[key] = b"later %d" % n
+        sample = list(acknowledged)[n % 1000:][:50]
+        assert await storage.get("turns", sample) == {key: acknowledged[key] for key in sample}
+
+    shard_slots = [key_slot(prefix) for prefix in cluster_shards("stateful-responses")]
+    moving = [slot for slot in shard_slots if cluster.owner(slot) == 0][:4]
+    migration = asyncio.ensure_future(asyncio.to_thread(cluster.move_slots, moving, 2, batch=5, pause=0.02))
+    steps = failures = 0
+    while not migration.done():
+        try:
+            await step(steps)
+        except StorageError:
+            failures += 1  # allowed while a slot is half moved (TRYAGAIN past redis-py's redirections)
+        steps += 1
+    await migration
+    print(f"{steps} writes and reads during the migration of {len(moving)} shards' slots, {failures} failed")
+    assert steps > 0 and [cluster.owner(slot) for slot in moving] == [2] * len(moving)
+    for n in range(steps, steps + 100):  # settled: the client follows MOVED, no call fails
+        await step(n)
+    assert await storage.get("turns", list(acknowledged)) == acknowledged
+    assert await storage.scan("turns") == acknowledged
+
+
+async def test_a_stopped_master_fails_fast_and_once_restarted_has_lost_nothing(own_redis_cluster, make_redis_at):
+    cluster = own_redis_cluster
+    storage = make_redis_at(cluster.url, connect_timeout=0.5, timeout=0.5)  # the defaults
+    records = {shard_key(b"tenant-%d" % n, b"turn"): b"%d" % n for n in range(300)}
+    await storage.put("turns", records, ttl=600)
+    await storage.put("marks", {b"m": b"1"}, ttl=600)
+    cluster.stop_master(1)
+    for operation in (storage.ping(), storage.get("turns", list(records)), storage.scan("marks"),
+                      storage.put("turns", records, ttl=600)):  # 300 tags: every master has some
+        started = time.monotonic()
+        with pytest.raises(StorageError, match=rf"^redis://127.0.0.1:{cluster.masters[0].port}/0: "
+                                               r"(unreachable|the cluster is down)$"):
+            await asyncio.wait_for(operation, timeout=10)
+        assert time.monotonic() - started < 3
+    cluster.start_master(1)
+    await storage.ping()  # no error once the cluster is ok again
+    assert await storage.get("turns", list(records)) == records  # its append-only file kept them
+    assert await storage.scan("marks") == {b"m": b"1"}
+    await storage.put("turns", {shard_key(b"tenant-0", b"new"): b"v"}, ttl=600)
+
+
+async def test_a_master_that_stops_answering_times_out_then_recovers(own_redis_cluster, make_redis_at):
+    cluster = own_redis_cluster
+    storage = make_redis_at(cluster.url, timeout=0.3)
+    records = {shard_key(b"tenant-%d" % n, b"turn"): b"%d" % n for n in range(300)}
+    await storage.put("turns", records, ttl=600)
+    cluster.masters[1].pause()
+    try:
+        started = time.monotonic()
+        with pytest.raises(StorageError, match="timed out"):
+            await asyncio.wait_for(storage.get("turns", list(records)), timeout=10)
+        assert time.monotonic() - started < 3
+    finally:
+        cluster.masters[1].resume()
+    cluster.wait_until_ok()
+    assert await storage.get("turns", list(records)) == records

@@ -42,34 +42,33 @@ LOOK_AGAIN = 1.0  # the store is asked for another replica's proof of a scope at
 _DROPPED_HEADERS = ("content-length", "content-type", "content-encoding", "transfer-encoding")
 
 
+def _json_object(body: bytes | None) -> dict:
+    """The JSON object an answer holds, or an empty one."""
+    try:
+        answer = json.loads(body or b"")
+    except (ValueError, RecursionError):
+        return {}
+    return answer if isinstance(answer, dict) else {}
+
+
 def read_the_chain(status: int, body: bytes | None, items_sent: int) -> bool | None:
     """The verdict of an echo proof's answer: True (the answer was made from
     more than the items sent: the chain was read), False (from the items sent
     alone), None (unknown: the upstream cannot list them)."""
-    if status >= 400:
-        return None
-    try:
-        listed = json.loads(body or b"")
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(listed, dict) or not isinstance(listed.get("data"), list):
+    listed = _json_object(body) if status < 400 else {}
+    if not isinstance(listed.get("data"), list):
         return None
     return len(listed["data"]) > items_sent or listed.get("has_more") is True
 
 
-def reads_back(status: int, body: bytes | None, response_id: str) -> bool | None:
+def reads_back(status: int, body: bytes | None) -> bool | None:
     """The verdict of a proof's answer: True (the response came back), False
     (the upstream cannot read it: any 4xx but 408 and 429), None (unknown: try
     again later)."""
     if status in (408, 429) or status >= 500:
         return None
-    if status >= 400:
-        return False
-    try:
-        answer = json.loads(body or b"")
-    except (ValueError, RecursionError):
-        return False
-    return isinstance(answer, dict) and isinstance(answer.get("id"), str) and isinstance(answer.get("output"), list)
+    answer = _json_object(body) if status < 400 else {}
+    return isinstance(answer.get("id"), str) and isinstance(answer.get("output"), list)
 
 
 class Proofs:
@@ -158,7 +157,7 @@ class Proofs:
         """Send the GET and mark the verdict; the verdict's write, on its way."""
         answer, failure = await self._get(flow, upstream, f"/responses/{quote(response_id, safe='')}",
                                           f"can the upstream read {response_id} back?")
-        verdict = None if failure is not None else reads_back(answer.status_code, answer.content, response_id)
+        verdict = None if failure is not None else reads_back(answer.status_code, answer.content)
         if verdict is True:
             self._tried.pop(scope, None)
             self.upstreams.mark("reads_back", scope)

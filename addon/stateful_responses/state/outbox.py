@@ -8,9 +8,14 @@ I/O themselves (sans-IO, as hishel's cache policy).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol
+
+from .storage import Batch, Storage
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -60,3 +65,60 @@ class Remembers(Protocol):
     def take_writes(self) -> list[Write]: ...
 
     def clear(self) -> None: ...
+
+
+async def apply_writes(storage: Storage, writes: list[Write]) -> None:
+    """Apply writes in one batch: what counts is each key's last put or
+    delete, so puts are grouped by table and expiry, deletes by table; a
+    record that must not replace another is checked on its own first. Appends
+    to a log keep their order, each one, and drops go whole. Touches only ever
+    lengthen a record's life, so they are applied last, the longest of each
+    key's."""
+    last: dict[tuple[str, bytes], Write] = {}
+    touches: dict[tuple[str, bytes], float] = {}
+    appends: list[tuple[str, bytes, list[bytes], float, bool]] = []
+    drops: dict[str, list[bytes]] = {}
+    for write in writes:
+        where = (write.table, write.key)
+        if write.log == "drop":  # the batch drops before it appends: what came before goes too
+            drops.setdefault(write.table, []).append(write.key)
+            appends = [a for a in appends if a[:2] != where]
+            continue
+        if write.log and write.value is not None:
+            appends.append((write.table, write.key, [write.value], write.ttl, write.log == "start"))
+            continue
+        if write.touch:
+            touches[where] = max(write.ttl, touches.get(where, 0.0))
+            continue
+        last.pop(where, None)  # the newest write of a key keeps its place
+        last[where] = write
+    puts: dict[tuple[str, float], dict[bytes, bytes]] = {}
+    deletes: dict[str, list[bytes]] = {}
+    for write in last.values():
+        if write.merge is not None and write.value is not None:
+            write = await merged(storage, write)
+        if write.value is None:
+            deletes.setdefault(write.table, []).append(write.key)
+        else:
+            puts.setdefault((write.table, write.ttl), {})[write.key] = write.value
+    renewals: dict[tuple[str, float], list[bytes]] = {}
+    for (table, key), ttl in touches.items():
+        renewals.setdefault((table, ttl), []).append(key)
+    await storage.write(Batch(puts=[(table, records, ttl) for (table, ttl), records in puts.items()],
+                              deletes=list(deletes.items()),
+                              touches=[(table, keys, ttl) for (table, ttl), keys in renewals.items()],
+                              appends=appends, drops=list(drops.items())))
+
+
+async def merged(storage: Storage, write: Write) -> Write:
+    """A record that is already stored with another value (an upstream reusing
+    ids) becomes what the write's ``merge`` says: continuing from it is then
+    "not found", never someone else's context."""
+    assert write.value is not None and write.merge is not None
+    existing = (await storage.get(write.table, [write.key])).get(write.key)
+    merged = write.merge(existing, write.value) if existing is not None else None
+    if merged is None:
+        return write
+    logger.warning("stateful-responses: response %s was recorded before with other content; both dropped "
+                   "(continuing from it is 'not found')", write.label)
+    return Write(write.table, write.key, merged, write.ttl)

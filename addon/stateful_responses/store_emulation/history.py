@@ -19,7 +19,7 @@ from ..bounded import Bounded
 from ..items import canonical_json
 from ..settings import Config
 from ..state.outbox import Outbox, Write
-from .turns import DEPENDENTS, ITEM_IDS, ITEMS, TURNS, ItemOwner, Tenant, TurnBody, TurnHeader, conflict, header_of
+from .turns import DEPENDENTS, ITEM_IDS, ITEMS, KEY_SIZE, TURNS, Tenant, TurnBody, TurnHeader, conflict, header_of
 from .walk import ChainError, Link, not_found, walk
 
 GetRecords = Callable[[str, Sequence[bytes]], Awaitable[Mapping[bytes, bytes]]]
@@ -45,8 +45,6 @@ class Turn:
 
 
 _CONFLICT = object()  # memory's mark of an id recorded with two contents
-_ITEM_OWNER = msgspec.msgpack.Decoder(ItemOwner)
-_PACK = msgspec.msgpack.Encoder().encode
 
 
 @dataclass
@@ -117,10 +115,9 @@ class History:
         for raw, item in zip(output, response.get("output") or [], strict=True):
             output_keys.append(key := self._item(tenant, raw, exact_digest(raw)))
             size += len(raw)
-            if isinstance(item, dict) and isinstance(item.get("id"), str):
-                where = tenant.item_id_key(item["id"])
-                self._outbox.append(Write(ITEM_IDS, where, tenant.seal(_PACK(ItemOwner(response_id, key)), where),
-                                          self.ttl))
+            if isinstance(item, dict) and isinstance(item.get("id"), str):  # keyed hashes both: nothing to seal
+                self._outbox.append(Write(ITEM_IDS, tenant.item_id_key(item["id"]),
+                                          tenant.turn_key(response_id) + key, self.ttl))
         shell = {k: v for k, v in response.items() if k != "output"}
         body = TurnBody(response_id, previous_response_id, base, input_keys, output_keys, _ENCODE(shell))
         fingerprint_of = (previous_response_id, rolling[-1] if rolling else b"", output_keys)
@@ -328,20 +325,19 @@ class History:
         """The recorded output items ``item_ids`` name (an ``item_reference``),
         by id; ids of no recorded item, or of a response since deleted, are left out."""
         keys = {key: item_id for item_id in dict.fromkeys(item_ids) for key in tenant.item_id_keys(item_id)}
-        owners: dict[str, ItemOwner] = {}
-        for key, sealed in (await get(ITEM_IDS, list(keys))).items():
-            try:
-                owners.setdefault(keys[key], _ITEM_OWNER.decode(tenant.open(sealed, key) or b""))
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
+        owners: dict[str, tuple[bytes, bytes]] = {}  # item id -> (its turn's key, its own key)
+        for key, value in (await get(ITEM_IDS, list(keys))).items():
+            if len(value) == 2 * KEY_SIZE:
+                owners.setdefault(keys[key], (value[:KEY_SIZE], value[KEY_SIZE:]))
+        living = {key for key, record in (await get(TURNS, [turn for turn, _ in owners.values()])).items()
+                  if (header := header_of(record)) is not None and header.status == "completed"}
         found = {}
-        for item_id, owner in owners.items():
-            if await self.turn(tenant, owner.response_id, get, as_target=True) is None:
-                continue
-            try:
-                found[item_id] = (await self._items(tenant, [owner.item_key], get, owner.response_id))[0]
-            except ChainError:
-                continue
+        for item_id, (turn_key, item_key) in owners.items():
+            if turn_key in living:  # a deleted or expired response's items are not referenced again
+                try:
+                    found[item_id] = (await self._items(tenant, [item_key], get, item_id))[0]
+                except ChainError:
+                    continue
         return found
 
     async def _input_keys(self, tenant: Tenant, turn: Turn, get: GetRecords,

@@ -33,7 +33,7 @@ from ..entropy import random_bytes
 TURNS = "turns"  # turn key -> TurnHeader (body sealed)
 ITEMS = "items"  # item key -> sealed item JSON
 DEPENDENTS = "dependents"  # turn key -> nothing: some other turn continues or extends it
-ITEM_IDS = "item-ids"  # item id key -> ItemOwner: which turn's output holds the item, for item_reference
+ITEM_IDS = "item-ids"  # item id key -> the key of the turn whose output holds it + the item's key
 
 KEY_SIZE = 16
 ANCESTORS = 32
@@ -62,13 +62,6 @@ class TurnHeader(msgspec.Struct, array_like=True, frozen=True):
     # Keys of the turns above it in its chain, nearest first (at most
     # ANCESTORS): a cold walk fetches them in one round trip, not one each.
     ancestors: list[bytes] = []
-
-
-class ItemOwner(msgspec.Struct, array_like=True, frozen=True):
-    """Where an output item with an id lives: the turn that answered it."""
-
-    response_id: str
-    item_key: bytes
 
 
 _BODY = msgspec.msgpack.Decoder(TurnBody)

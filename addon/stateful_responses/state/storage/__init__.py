@@ -4,20 +4,28 @@ The backends store bytes under keys, in named tables, each record with an
 expiry, and know nothing of what the bytes mean: the planner and the emulation
 decide what is worth keeping, the way hishel keeps its storages apart from its
 cache policy. ``memory`` keeps everything in the process, ``sqlite`` in one
-file (several proxies may share it), ``redis`` on a server shared by any
-number of proxies.
+file (several proxies may share it), ``redis`` on a server or a Redis Cluster
+shared by any number of proxies.
+
+A key's first ``SHARD_TAG_SIZE`` bytes are its shard tag: a backend that
+spreads records over servers (a Redis Cluster) keeps the records of one tag
+together, in every table, and writes them at once. Keys that are digests
+spread record by record; ``shard_key`` leads a key with the tag of whatever
+its records must change with (a tenant, a conversation). Memory and SQLite
+keep everything together anyway and ignore tags.
 
 A table may also hold append-only logs, for records that several processes
 add to at once: a log named ``key`` is its length record at ``key`` (8 bytes,
-big-endian) and its entries at ``log_entry(key, n)``. The store numbers an
-append's entries itself, inside the transaction that writes them, so that
-concurrent appends (two replicas, two responses) each get their own places,
-in the order the store took them, and never overwrite one another; reads are
-ordinary ``get``s of the length and the entries.
+big-endian) and its entries at ``log_entry(key, n)``, all of one shard tag.
+The store numbers an append's entries itself, inside the transaction that
+writes them, so that concurrent appends (two replicas, two responses) each get
+their own places, in the order the store took them, and never overwrite one
+another; reads are ordinary ``get``s of the length and the entries.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -60,8 +68,9 @@ class Storage(Protocol):
 
     async def write(self, batch: Batch) -> None:
         """Apply ``batch`` in one call: its deletes, its drops, its puts, its
-        appends, then its touches, in one transaction (SQLite) or MULTI/EXEC
-        (Redis). ``put`` and ``delete`` are one-table batches."""
+        appends, then its touches, in one transaction (SQLite, a Redis
+        server), or in a Redis Cluster one per shard, which holds whole shard
+        tags (and so whole logs). ``put`` and ``delete`` are one-table batches."""
 
     async def scan(self, table: str) -> dict[bytes, bytes]:
         """Every unexpired record of a small table (marks), in one call."""
@@ -110,6 +119,16 @@ def log_length_record(length: int) -> bytes:
 def log_length(record: bytes | None) -> int:
     """A log's length, from its length record (None: no such log, 0)."""
     return int.from_bytes(record, "big") if record else 0
+
+
+SHARD_TAG_SIZE = 8  # bytes that lead a key and say which records belong together (the whole key, if shorter)
+
+
+def shard_key(tag: bytes, key: bytes) -> bytes:
+    """``key`` led by a shard tag made from ``tag``: records whose keys come
+    from one tag stay together (one slot of a Redis Cluster), so that one
+    write of them is atomic wherever they live."""
+    return hashlib.blake2b(tag, digest_size=SHARD_TAG_SIZE).digest() + key
 
 
 DEFAULT_SQLITE_FILE = "stateful-responses.sqlite3"
