@@ -66,7 +66,7 @@ from stateful_responses.state.storage.memory import MemoryStorage  # noqa: E402
 from stateful_responses.state.storage.redis import RedisStorage  # noqa: E402
 from stateful_responses.state.storage.sqlite import SQLiteStorage  # noqa: E402
 from stateful_responses.store_emulation.turns import Tenant  # noqa: E402
-from stateful_responses.store_emulation.conversations import Conversations  # noqa: E402
+from stateful_responses.store_emulation.conversations import Conversations, listed  # noqa: E402
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for a city.",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
@@ -831,7 +831,7 @@ async def conversation_turn(conversations: Conversations, storage: Storage, tena
     conversation = await conversations.find(tenant, conversation_id, storage.get)
     body = b"[" + b",".join([item.raw for item in conversation.items] + [user_item(n, 300)]) + b"]"
     assert len(body) > 0
-    conversations.join(tenant, conversation, [user_item(n, 300)], answer(n, 400)["output"])
+    conversations.join(tenant, conversation, listed([user_item(n, 300)]), answer(n, 400)["output"])
     await apply_writes(storage, conversations.take_writes())
     return time.perf_counter() - started
 
@@ -914,16 +914,16 @@ def conversation_proxy_rows(quick: bool) -> list[str]:
                                                             **({"previous_response_id": previous} if previous
                                                                else {})})[1]["id"]
                 for r in range(rounds):
-                    proxy.stop()
-                    proxy = start_mitmdump(emu.url, *options, confdir=work, port=proxy.port)
-                    for temperature in ("cold", "warm"):
-                        text = f"round {r} {temperature}"
-                        times[f"conversation {temperature}"].append(timed_post(
-                            http, proxy.url, {"model": "m", "input": text, "conversation": conversation_id})[0])
-                        seconds, answered = timed_post(http, proxy.url, {"model": "m", "input": text,
-                                                                         "previous_response_id": previous})
-                        times[f"chain {temperature}"].append(seconds)
-                        previous = answered["id"]
+                    for kind in ("conversation", "chain"):  # each first after a restart of its own
+                        proxy.stop()
+                        proxy = start_mitmdump(emu.url, *options, confdir=work, port=proxy.port)
+                        for n, temperature in enumerate(("cold", "warm", "warm", "warm")):
+                            body = {"model": "m", "input": f"round {r} {kind} {n}",
+                                    **({"conversation": conversation_id} if kind == "conversation"
+                                       else {"previous_response_id": previous})}
+                            seconds, answered = timed_post(http, proxy.url, body)
+                            times[f"{kind} {temperature}"].append(seconds)
+                            previous = answered["id"] if kind == "chain" else previous
         finally:
             proxy.stop()
     median = {name: statistics.median(values) * 1000 for name, values in times.items()}
@@ -934,8 +934,8 @@ def conversation_proxy_rows(quick: bool) -> list[str]:
             f"| the same turn via `previous_response_id` | {median['chain warm']:.1f} ms | "
             f"{median['chain cold']:.1f} ms |",
             "", f"Medians of {rounds} rounds, in front of the emulator without state (it answers at once). Cold: the "
-            "first request after mitmdump restarted; warm: the next one. Both conversations hold the same items "
-            "(the user's text, the emulator's answer)."]
+            "first request after mitmdump restarted (each kind after a restart of its own); warm: the next three. "
+            "Both hold the same items (the user's text, the emulator's answer)."]
 
 
 def bench_conversation(quick: bool) -> list[str]:

@@ -13,7 +13,7 @@ from stateful_responses.state.outbox import apply_writes
 from stateful_responses.state.storage import log_entry
 from stateful_responses.state.storage.memory import MemoryStorage
 from stateful_responses.store_emulation import conversations as module
-from stateful_responses.store_emulation.conversations import CONVERSATIONS, Call, Conversations
+from stateful_responses.store_emulation.conversations import CONVERSATIONS, Call, Conversations, listed
 from stateful_responses.store_emulation.turns import Tenant
 
 SECRET = bytes(32)
@@ -89,10 +89,12 @@ async def test_responses_joining_at_once_on_two_replicas_are_all_kept_in_the_sto
     conversation_id = await created(left, ["hello"])
     seen_left, seen_right = await left.find(conversation_id), await right.find(conversation_id)
     for n in range(5):
-        left.conversations.join(ALICE, seen_left, [json.dumps({"role": "user", "content": f"L{n}"}).encode()],
+        question = listed([json.dumps({"role": "user", "content": f"L{n}"}).encode()])
+        left.conversations.join(ALICE, seen_left, question,
                                 [{"type": "message", "id": f"msg_l{n}", "role": "assistant", "status": "completed",
                                   "content": [{"type": "output_text", "text": f"l{n}", "annotations": []}]}])
-        right.conversations.join(ALICE, seen_right, [json.dumps({"role": "user", "content": f"R{n}"}).encode()],
+        question = listed([json.dumps({"role": "user", "content": f"R{n}"}).encode()])
+        right.conversations.join(ALICE, seen_right, question,
                                  [{"type": "message", "id": f"msg_r{n}", "role": "assistant", "status": "completed",
                                    "content": [{"type": "output_text", "text": f"r{n}", "annotations": []}]}])
         await asyncio.gather(left.flush(), right.flush())

@@ -305,7 +305,7 @@ async def test_openai_agents_with_a_conversation_id_sends_only_new_items(emulato
         for n, record in enumerate(calls):  # each: the conversation so far, then the one item it sent
             assert meaning(record["context"][:-1]) == meaning(after[:joined])
             sent = record["context"][-1]
-            assert sent.get("type") == ("function_call_output" if n else None)
+            assert sent["type"] == ("function_call_output" if n else "message")
             assert meaning(after[joined]) == meaning(sent) and after[joined + 1:joined + 1 + len(record["output"])] \
                 == record["output"]
             joined += 1 + len(record["output"])

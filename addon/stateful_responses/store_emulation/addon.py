@@ -70,6 +70,7 @@ from .conversations import (
     Conversations,
     Echo,
     background_refused,
+    listed,
     mutually_exclusive,
     named,
     named_in,
@@ -638,7 +639,7 @@ class _InConversation:
     label: str
     conversation_id: str
     conversation: Conversation | None = None
-    raw_input: list[bytes] = field(default_factory=list)  # the client's input items, references resolved
+    listed_input: list[bytes] = field(default_factory=list)  # the client's input, references resolved, as listed
     expanded: bytes | None = None  # the body sent instead
     judged: Call | None = None  # an endpoint's call, or a response's (endpoint "response")
     reader: AnswerReader | None = None
@@ -795,7 +796,7 @@ class ConversationEmulation:
             return
         raw_input = reading.raw_items if reading.raw_items is not None \
             else [string_input_item(bytes(reading.fields["input"]))]
-        record.raw_input = await referenced(self.history, record.tenant, raw_input, self.state.get_strict)
+        record.listed_input = listed(await referenced(self.history, record.tenant, raw_input, self.state.get_strict))
         record.expanded, dropped = await self._expansion(reading, client, record)
         self.conversations.renew(conversation)
         self.state.flush()
@@ -819,7 +820,7 @@ class ConversationEmulation:
         if not (self.upstreams.has("reads_back", record.scope) and reading.client_store is not False):
             items, dropped = _without_unreadable_reasoning(items)
         body = splice(client.raw_content or b"", reading.fields,
-                      {"input": b"[" + b",".join(items + record.raw_input) + b"]", "conversation": None})
+                      {"input": b"[" + b",".join(items + record.listed_input) + b"]", "conversation": None})
         return body, dropped
 
     def _refuse(self, flow: http.HTTPFlow, error: ApiError) -> None:
@@ -845,8 +846,8 @@ class ConversationEmulation:
             record.conversation = await self._find(record, learn_secrets=False)
             if record.conversation is None:
                 return None
-            record.raw_input = reading.raw_items if reading.raw_items is not None \
-                else [string_input_item(bytes(reading.fields["input"]))]
+            record.listed_input = listed(reading.raw_items if reading.raw_items is not None
+                                         else [string_input_item(bytes(reading.fields["input"]))])
             return (await self._expansion(reading, client, record))[0]
         except (ApiError, StorageError):
             return None
@@ -937,7 +938,8 @@ class ConversationEmulation:
         response = reader.finish()
         if record.conversation is None or not isinstance(response, dict) or response.get("status") != "completed":
             return
-        self.conversations.join(record.tenant, record.conversation, record.raw_input, response.get("output") or [])
+        self.conversations.join(record.tenant, record.conversation, record.listed_input,
+                                response.get("output") or [])
         record.written = self.state.flush()
         self._debug("appended a response to conversation %s", record.conversation.id)
 

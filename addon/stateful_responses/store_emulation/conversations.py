@@ -498,14 +498,22 @@ class Conversations:
 
     # -- responses in a conversation ---------------------------------------------------------
 
-    def join(self, tenant: Tenant, conversation: Conversation, raw_input: Sequence[bytes],
+    def join(self, tenant: Tenant, conversation: Conversation, listed_input: Sequence[bytes],
              output: Sequence[Any]) -> None:
         """A completed response joins its conversation: its input items (as
-        listed, each with an id of its own), then its output items."""
-        items = [_JSON(listed_item(strict_loads(raw), new_id)) for raw in raw_input]
+        ``listed``), then its output items."""
+        items = list(listed_input)
         items += [_JSON(item if isinstance(item, dict) and item.get("id") else listed_item(item, new_id))
                   for item in output if isinstance(item, dict)]
         self.add(tenant, conversation, items)
+
+
+def listed(raw_input: Sequence[bytes]) -> list[bytes]:
+    """A response's input items as its conversation will list them, each
+    with an id of its own: what the upstream is sent too, so that the next
+    turn's history starts with this turn's very bytes (a full-history turn
+    recorded after it then shares them, see ``History.record``)."""
+    return [_JSON(listed_item(strict_loads(raw), new_id)) for raw in raw_input]
 
 
 # -- the answer names its conversation -------------------------------------------------------
