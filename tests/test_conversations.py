@@ -172,8 +172,8 @@ async def test_list_pages_and_refusals_are_the_apis(storage):
     page = (await replica.call("list_items", conversation_id=conversation_id,
                                query=(("limit", "7"), ("after", first["data"][6]["id"]))))[1]
     assert page["data"] == first["data"][7:14]
-    for query, code in ((("limit", "0"),), "integer_below_min_value"), ((("limit", "101"),), "integer_above_max_value"), \
-                       ((("order", "newest"),), "invalid_value"):
+    for query, code in (((("limit", "0"),), "integer_below_min_value"),
+                        ((("limit", "101"),), "integer_above_max_value"), ((("order", "newest"),), "invalid_value")):
         status, error = await replica.call("list_items", conversation_id=conversation_id, query=query)
         assert status == 400 and error["error"]["code"] == code
     status, error = await replica.call("list_items", conversation_id=conversation_id, query=(("after", "msg_x"),))

@@ -103,6 +103,9 @@ def test_the_openai_sdk_keeps_its_conversation_where_the_upstream_lacks_the_api(
 
 def test_auto_passes_through_while_the_upstream_has_the_api(emulator, start_proxy):
     proxy = start_proxy(emulator.url, "--set", "stateful_emulate=auto")
+    both = call(proxy, "POST", "/v1/responses", {"model": "m", "input": "y", "conversation": "conv_theirs",
+                                                 "previous_response_id": "resp_theirs"})
+    assert both.json()["error"]["code"] == "mutually_exclusive_parameters" and log(emulator) == []
     client = sdk(proxy)
     conversation = client.conversations.create(items=[{"role": "user", "content": "hello"}])
     assert converse(client, emulator, conversation.id, ["turn 0: more", "turn 1: again"], stream=True) == 2
@@ -281,7 +284,8 @@ async def test_openai_agents_conversations_session_over_a_tool_using_conversatio
             assert meaning(calls[1]["context"]) == meaning(calls[0]["context"] + calls[0]["output"] + [
                 {"type": "function_call_output", "call_id": calls[0]["output"][0]["call_id"],
                  "output": "sunny in " + ("Oslo" if "Oslo" in turn else "Lima")}])
-        assert meaning(await items_of(client, session.session_id)) == meaning(calls[-1]["context"] + calls[-1]["output"])
+        kept = await items_of(client, session.session_id)
+        assert meaning(kept) == meaning(calls[-1]["context"] + calls[-1]["output"])
         assert result.final_output == calls[-1]["output"][-1]["content"][0]["text"]
     await client.close()
 

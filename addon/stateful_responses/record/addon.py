@@ -294,8 +294,8 @@ def _changes_made(flow: http.HTTPFlow, protocol: str) -> tuple[list, bool, bool]
                                    f"{conversation.get('items')} items, kept by the proxy: the upstream got full "
                                    "history instead", protocol))
     if conversation.get("reasoning_dropped"):
-        changes.append(audit_entry("reasoning", "dropped", f"{conversation['reasoning_dropped']} reasoning items of the "
-                                   "conversation named by id without their encrypted_content: an upstream that "
+        changes.append(audit_entry("reasoning", "dropped", f"{conversation['reasoning_dropped']} reasoning items of "
+                                   "the conversation named by id without their encrypted_content: an upstream that "
                                    "persists nothing cannot read them", protocol))
     expanded = bool(emulated.get("expanded") or conversation.get("id"))
     return changes, continued and not refused and not failed_over, expanded

@@ -10,8 +10,9 @@ held back and the turn goes to another upstream with full history (reasoning
 another upstream encrypted cannot travel: the audit says so). A turn that
 may need its upstream's stored state (a ``previous_response_id`` chain, a
 conversation) moves only if store emulation can expand it; otherwise it stays
-there, and a 5xx reaches the client, whose SDK retries it there. A connection that fails after the probe gets mitmproxy's 502
-(its SDK retries, and the retry goes elsewhere).
+there, and a 5xx reaches the client, whose SDK retries it there. A connection
+that fails after the probe gets mitmproxy's 502 (its SDK retries, and the retry
+goes elsewhere).
 """
 
 from __future__ import annotations

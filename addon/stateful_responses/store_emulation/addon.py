@@ -696,7 +696,8 @@ class ConversationEmulation:
     # -- requests ------------------------------------------------------------------
 
     async def request(self, flow: http.HTTPFlow) -> None:
-        if self.mode == "off" or flow.metadata.get(RETRY_OF) is not None or flow.response is not None:
+        if self.mode == "off" or not self.config.settings.enabled or flow.metadata.get(RETRY_OF) is not None \
+                or flow.response is not None:
             return
         try:
             url = urlsplit(flow.request.url)
@@ -772,12 +773,13 @@ class ConversationEmulation:
         record = _InConversation(tenant_of(self.tenancy, reading.credential), reading.credential, reading.scope,
                                  reading.label, "")
         proxy_is_the_api = self._proxy_is_the_api(reading.scope)
+        if reading.previous is not None:
+            self._refuse(flow, mutually_exclusive())  # the API's answer, whoever keeps the conversation
+            return
         try:
-            if reading.previous is not None:
-                raise mutually_exclusive()  # the API's answer whoever keeps the conversation
             record.conversation_id = named(reading.conversation)
         except ApiError as e:
-            if proxy_is_the_api or e.code == "mutually_exclusive_parameters":
+            if proxy_is_the_api:
                 self._refuse(flow, e)
             return
         record.conversation = await self._find(record, learn_secrets=proxy_is_the_api)
@@ -957,7 +959,7 @@ class ConversationEmulation:
             reader.feed(body)
             answer = reader.finish()
             echoed = answer.get("conversation") if isinstance(answer, dict) else None
-            has = isinstance(echoed, dict) and echoed.get("id") == call.conversation_id or echoed == call.conversation_id
+            has = call.conversation_id in (echoed.get("id") if isinstance(echoed, dict) else None, echoed)
         elif status < 300:
             has = True
         elif status == 404 and f"Conversation with id '{call.conversation_id}'".encode() in body:

@@ -53,7 +53,8 @@ ID_BYTES = 24  # random bytes in an id the proxy mints: as long as OpenAI's, and
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 # The API's paths under a base URL, and which endpoint a method on each is.
-PATH = re.compile(r"^(?P<base>.*?)/conversations(?:/(?P<conversation>[^/]+)(?P<items>/items(?:/(?P<item>[^/]+))?)?)?/?$")
+PATH = re.compile(r"^(?P<base>.*?)/conversations"
+                  r"(?:/(?P<conversation>[^/]+)(?P<items>/items(?:/(?P<item>[^/]+))?)?)?/?$")
 ENDPOINTS = {
     ("POST", "conversations"): "create", ("GET", "conversation"): "retrieve", ("POST", "conversation"): "update",
     ("DELETE", "conversation"): "delete", ("POST", "items"): "add_items", ("GET", "items"): "list_items",
