@@ -245,3 +245,24 @@ async def test_a_full_conversation_refuses_more(storage, monkeypatch):
                                        body={"items": [{"role": "user", "content": n} for n in ("3", "4")]})
     assert (status, error["error"]["code"]) == (400, "conversation_too_large")
     assert len((await replica.find(conversation_id)).items) == 2
+
+
+async def test_a_long_log_is_read_a_part_at_a_time(storage, monkeypatch):
+    """Each read stays small (the store's read timeout applies to each),
+    whatever the conversation's length."""
+    monkeypatch.setattr(module, "PREFETCH", 2)
+    monkeypatch.setattr(module, "READ_AT_ONCE", 4)
+    writer = Replica(storage)
+    conversation_id = await created(writer, ["0"])
+    for n in range(1, 12):
+        await writer.call("add_items", conversation_id=conversation_id,
+                          body={"items": [{"role": "user", "content": str(n)}]})
+    asked: list[int] = []
+
+    async def get(table, keys):
+        asked.append(len(keys))
+        return await storage.get(table, keys)
+
+    conversation = await Conversations().find(ALICE, conversation_id, get)
+    assert [json.loads(item.raw)["content"][0]["text"] for item in conversation.items] == [str(n) for n in range(12)]
+    assert asked[0] == 1 + 2 and max(asked[1:]) == 4 and sum(asked[1:]) == 12 - 2

@@ -48,6 +48,7 @@ MAX_METADATA_PAIRS = 16
 MAX_ITEMS = 10_000  # items one conversation holds at most (the proxy's bound, not the API's)
 MAX_ENTRIES = 20_000  # entries of one conversation's log at most: its appends, removals and metadata changes
 PREFETCH = 32  # log entries asked for with the length, on the chance they are there (one round trip)
+READ_AT_ONCE = 512  # log entries per read: each read of a long log stays within the store's read timeout
 CACHE_BYTES = 64 * 1024 * 1024  # conversations kept in memory, their items' bytes at most
 ID_BYTES = 24  # random bytes in an id the proxy mints: as long as OpenAI's, and never the upstream's
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
@@ -351,8 +352,8 @@ class Conversations:
         if known is None or known.key != key or length < known.length:
             known, start = None, 0
         missing = [entry for n in range(start, length) if (entry := log_entry(key, n)) not in found]
-        if missing:
-            found.update(await get(CONVERSATIONS, missing))
+        for at in range(0, len(missing), READ_AT_ONCE):
+            found.update(await get(CONVERSATIONS, missing[at:at + READ_AT_ONCE]))
         events: list[Event] = []
         for n in range(start, length):
             sealed = found.get(log_entry(key, n))
