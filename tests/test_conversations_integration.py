@@ -98,7 +98,7 @@ def test_the_openai_sdk_keeps_its_conversation_where_the_upstream_lacks_the_api(
     client.close()
     output = proxy.output()
     assert "internal error" not in output and "Traceback" not in output
-    assert "Oslo" not in output and "be brief" not in output  # no prompt text in a log line
+    assert "Oslo" not in output and "be brief" not in output and KEY not in output  # no prompt text, no key
 
 
 def test_auto_passes_through_while_the_upstream_has_the_api(emulator, start_proxy):
