@@ -65,6 +65,7 @@ DELETE_EXPIRED = ("DELETE FROM records WHERE rowid IN "
                   "(SELECT rowid FROM records WHERE tbl = ? AND expires <= ? LIMIT ?)")
 MAX_PARAMETERS = 500  # keys per SELECT ... IN (...), well under SQLite's limit
 SWEEP_BATCH = 10_000  # expired rows deleted per table per sweep, so one put never stalls long
+CATCH_UP_TRIES = 50  # 10 ms apart: the writer waits out the checkpoint thread this long at most
 CHECKPOINT_EVERY = 0.05  # seconds between background checkpoints, while there were writes
 SIZE_TARGET = 0.9  # over the byte cap, delete down to this fraction of it: not again on the next put
 
@@ -341,8 +342,12 @@ class SQLiteStorage:
             over = os.path.getsize(self.path + "-wal") > 2 * self._wal_bytes
         except OSError:
             over = False
-        if over:  # the checkpoints fell behind (a busy machine): catch up here, where writes wait anyway
-            db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        # The checkpoints fell behind (a busy machine): catch up here, where writes
+        # wait anyway, waiting out a checkpoint the other thread is running.
+        for _ in range(CATCH_UP_TRIES if over else 0):
+            if db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0] == 0:
+                break
+            time.sleep(0.01)
         self._checkpoint_soon()
 
     def _keep_to_limit(self, db: sqlite3.Connection, table: str) -> None:
