@@ -29,7 +29,7 @@ def mitmweb(emulator):
     binary = mitmdump_binary("mitmweb")
     args = [binary, "--mode", f"reverse:{emulator.url}", "--listen-host", "127.0.0.1", "--listen-port", str(port),
             "--web-host", "127.0.0.1", "--web-port", str(web_port), "--set", "web_open_browser=false",
-            "--set", f"confdir={confdir}", "-s", str(ADDON)]
+            "--set", f"confdir={confdir}", "-s", str(ADDON), "--set", "stateful_upstream_websocket=off"]
     for column in ("icon", "path", "method", "status", "size", "time", "comment"):
         args += ["--set", f"web_columns={column}"]
     if "web_password" in subprocess.run([binary, "--options"], capture_output=True, text=True).stdout:

@@ -22,6 +22,7 @@ from .store_emulation.addon import StoreEmulation
 from .store_emulation.history import History
 from .tenancy import Tenancy
 from .upstreams import Upstreams
+from .websocket.addon import WebSocketBridge
 
 
 def make_addons() -> list:
@@ -43,6 +44,8 @@ def make_addons() -> list:
         record,  # lifts the client's own request, before any change
         router,  # picks the upstream the next two plan for
         emulation,  # before forward mode: it plans the expanded body
+        # before forward mode: a flow it takes is answered over an upstream WebSocket, never rewritten
+        WebSocketBridge(config, counters, tenancy, reader, upstreams, state, replays),
         ForwardMode(planner, state, replays, proofs),
         router.answers,  # fails over after the two above learned from the failed answer
         record.answers,  # records what the client got, after every change
