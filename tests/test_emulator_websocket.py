@@ -355,6 +355,13 @@ def test_think_ms_and_slow_ms_pace_socket_turns(emulator):
 # -- the wire ---------------------------------------------------------------------------------------
 
 
+def test_a_turn_sent_right_after_the_terminal_event_is_taken(emulator):
+    emulator.model.control({"slow_ms": 30})
+    with sdk(emulator).responses.connect() as conn:
+        first = completed(conn, input="one", store=False)
+        completed(conn, input="two", store=False, previous_response_id=first.id)
+
+
 def test_read_rate_paces_what_a_socket_reads_as_it_paces_an_http_body(emulator):
     emulator.model.control({"read_rate_bytes_per_s": 1_000_000})
     message = json.dumps({"type": "response.create", "model": "m", "input": "x" * 300_000})

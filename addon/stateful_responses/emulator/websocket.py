@@ -128,7 +128,8 @@ class ResponsesSocket:
                     return
                 sent.append(self._send_json(event))
                 self.model.record_messages(response["id"], sent)
-                self._pause(self.model.faults.slow_ms)
+                if n < len(events) - 1:  # after the terminal event the response is done: the next may start
+                    self._pause(self.model.faults.slow_ms)
         finally:
             self.session.running = None
 
