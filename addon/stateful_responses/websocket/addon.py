@@ -29,6 +29,7 @@ from blake3 import blake3
 from mitmproxy import ctx, http
 from mitmproxy.proxy import mode_specs
 
+from ..bounded import Bounded
 from ..counters import Counters
 from ..flows import BRIDGED, CLIENT_BODY, DECISION, HELD, RETRY_OF, PerFlow, internal_error, request_of
 from ..reading import Reader, Reading, upstream_of
@@ -39,7 +40,7 @@ from ..tenancy import Tenancy, is_credential_header
 from ..upstreams import Upstreams
 from .connect import Refused, Target, TLSOptions, Unreachable, open_socket
 from .loopback import PATH_PREFIX, Answer, Loopback
-from .messages import socket_message
+from .messages import Tip, socket_message
 from .pool import Held, Pool
 from .relay import HttpAnswer, Outcome, Turn, relay
 
@@ -118,7 +119,7 @@ class WebSocketBridge:
         self.loopback = Loopback(self._serve)
         self._jobs: dict[str, _Job] = {}  # by token: redirected, not yet claimed by the loopback server
         self._flows: PerFlow[_Job] = PerFlow()
-        self._resting: dict[str, float] = {}  # scope -> until when its sockets are not tried
+        self._resting = Bounded(4096)  # scope -> until when its sockets are not tried
         self._sweeper: asyncio.Task | None = None
         config.on_change(self._reconfigure)
         tenancy.on_new_secret(self._close_all)  # scopes and namespaces are named anew
@@ -194,9 +195,19 @@ class WebSocketBridge:
         if choice is None:
             self._debug("ws: every socket of %s is busy; over HTTP", label)
             return
-        held, tip = choice.held, choice.continued
+        try:
+            await self._take(flow, reading, root, references, choice.held, choice.continued, choice.fresh)
+        except BaseException:  # a socket the flow does not go to goes back, whatever happened
+            if choice.held.busy and self._flows.get(flow) is None:
+                self._close([c for c in [self.pool.release(choice.held, choice.held.tip)] if c is not None])
+            raise
+
+    async def _take(self, flow: http.HTTPFlow, reading: Reading, root: bytes, references: dict[bytes, str],
+                    held: Held, tip: Tip | None, fresh: bool) -> None:
+        """Open the socket if it is new, then make the turn and point the flow at the loopback server."""
+        scope, label = reading.scope, reading.label
         target = target_of(flow.request)
-        if choice.fresh:
+        if fresh:
             self._debug("ws: opening a socket to %s", label)
             try:
                 self.pool.opened(held, await open_socket(target, tls_options()))
@@ -206,7 +217,7 @@ class WebSocketBridge:
                 return
             except Unreachable as e:
                 self.pool.remove(held)
-                self._resting[scope] = time.monotonic() + REST_S
+                self._resting.put(scope, time.monotonic() + REST_S)
                 self._debug("ws: no socket to %s (%s); over HTTP for %ds", label, e, REST_S)
                 return
         digests = reading.digests
@@ -224,11 +235,7 @@ class WebSocketBridge:
             turn.continued, turn.items_sent = tip, len(digests) - tip.length
             turn.delta_message = socket_message(body, fields, reading.raw_items[tip.length:], tip.response_id)
         job = _Job(flow, client, turn, held, scope, label, len(body), secrets.token_urlsafe(24))
-        try:
-            await self.loopback.start()
-        except OSError:
-            self._close([c for c in [self.pool.remove(held)] if c is not None])
-            raise
+        await self.loopback.start()
         self._redirect(flow, job)
 
     def _redirect(self, flow: http.HTTPFlow, job: _Job) -> None:
@@ -247,7 +254,6 @@ class WebSocketBridge:
                                   "previous_response_id": turn.continued.response_id if turn.continued else None,
                                   "items_total": turn.items_total,
                                   "items_sent": turn.items_sent if turn.continued else turn.items_total}
-        self._debug("%s (%s)", plan, job.label)
 
     def _unclaimed(self, job: _Job) -> None:
         """A flow that never reached the loopback server (the client went
@@ -324,7 +330,7 @@ class WebSocketBridge:
         if 400 <= status < 500 and status not in (408, 429):
             self._refuses(scope, label, f"refused the WebSocket upgrade ({status})")
         else:
-            self._resting[scope] = time.monotonic() + REST_S
+            self._resting.put(scope, time.monotonic() + REST_S)
             self._debug("ws: %s refused the upgrade for now (%d); over HTTP for %ds", label, status, REST_S)
 
     def _refuses(self, scope: str, label: str, why: str) -> None:

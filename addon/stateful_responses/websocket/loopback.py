@@ -93,12 +93,14 @@ class Loopback:
     def __init__(self, serve: Serve) -> None:
         self._serve = serve
         self._server: asyncio.Server | None = None
+        self._starting = asyncio.Lock()  # the first requests arrive together: one server
         self.port = 0
 
     async def start(self) -> None:
-        if self._server is None:
-            self._server = await asyncio.start_server(self._connection, "127.0.0.1", 0, limit=MAX_HEAD)
-            self.port = self._server.sockets[0].getsockname()[1]
+        async with self._starting:
+            if self._server is None:
+                self._server = await asyncio.start_server(self._connection, "127.0.0.1", 0, limit=MAX_HEAD)
+                self.port = self._server.sockets[0].getsockname()[1]
 
     def close(self) -> None:
         if self._server is not None:
