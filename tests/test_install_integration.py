@@ -71,6 +71,7 @@ def test_the_wheel_holds_one_package_named_for_what_it_is(installed):
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"stateful_responses"}
     assert "stateful_responses/mitmproxy_script.py" in names
     assert "stateful_responses/emulator/server.py" in names
+    assert "stateful_responses/websocket/addon.py" in names
     assert "stateful-responses = stateful_responses.cli:main" in entry_points
     imported = run(installed.python, "-c", "import stateful_responses; print(stateful_responses.__file__)").stdout
     assert imported.startswith(str(installed.site_packages)), imported

@@ -427,14 +427,17 @@ def test_a_websocket_client_passes_through_untouched_with_one_record_per_turn(em
     assert "ws: " not in proxy.output()  # the bridge never touched it
 
 
-def test_regular_mode_over_tls_honours_mitmproxys_trusted_ca(tmp_path, start_proxy):
+@pytest.mark.parametrize("trust", ["ssl_verify_upstream_trusted_ca", "ssl_insecure"])
+def test_regular_mode_over_tls_honours_mitmproxys_upstream_tls_options(tmp_path, start_proxy, trust):
     from stateful_responses.emulator import Emulator
     from test_https_proxy_integration import self_signed
 
     cert, key = self_signed(tmp_path)
     with Emulator(certfile=cert, keyfile=key) as emu:
-        proxy = start_proxy(emu.url, "--set", f"ssl_verify_upstream_trusted_ca={cert}", "--set", "stateful_debug=true",
-                            mode="regular", upstream_websocket="auto")
+        option = f"ssl_verify_upstream_trusted_ca={cert}" if trust == "ssl_verify_upstream_trusted_ca" \
+            else "ssl_insecure=true"
+        proxy = start_proxy(emu.url, "--set", option, "--set", "stateful_debug=true", mode="regular",
+                            upstream_websocket="auto")
         ca = Path(proxy.confdir) / "mitmproxy-ca-cert.pem"
         sent: list = []
         client = openai.OpenAI(base_url=emu.url + "/v1", api_key="sk-tls", max_retries=0, http_client=httpx.Client(
