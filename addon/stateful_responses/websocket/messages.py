@@ -55,7 +55,7 @@ _ABSENT = msgspec.Raw(b"")
 
 def _given(raw: msgspec.Raw) -> msgspec.Raw | None:
     """A raw field, or None when absent or null (the API treats those alike)."""
-    return raw if raw and bytes(raw) != b"null" else None
+    return raw if raw and (len(raw) != 4 or bytes(raw) != b"null") else None  # never copies a large span
 
 
 class _Fields(msgspec.Struct):
