@@ -361,6 +361,24 @@ def test_turns_beyond_the_socket_cap_go_over_http_with_the_clients_store(emulato
     assert "every socket of" in proxy.output()
 
 
+def test_tenants_and_models_never_share_a_socket_or_its_memory(emulator, bridge):
+    proxy = bridge()
+    tenants = [Conversation(proxy.url, api_key=key, model=model, as_dicts=True, options={"store": False})
+               for key, model in (("sk-tenant-a", "gpt-test"), ("sk-tenant-b", "gpt-test"), ("sk-tenant-a", "gpt-other"))]
+    for n in range(3):
+        for k, conv in enumerate(tenants):
+            conv.turn(f"the same words {n}")  # identical histories: only the credential or the model differs
+    for conv in tenants:
+        conv.close()
+    log = records(emulator)
+    by_tenant = [log[k::3] for k in range(3)]
+    for conv, own in zip(tenants, by_tenant, strict=True):
+        assert_context_preserved(conv.sent, own)
+        assert len({r["socket"] for r in own}) == 1 and all(r["continued"] for r in own[1:])
+    assert len({own[0]["socket"] for own in by_tenant}) == 3
+    assert by_tenant[0][0]["credential"] == by_tenant[2][0]["credential"] != by_tenant[1][0]["credential"]
+
+
 def test_idle_sockets_are_closed(emulator, bridge):
     proxy = bridge("--set", "stateful_upstream_websocket_idle_s=1")
     converse(Conversation(proxy.url, options={"store": False}), 1)
