@@ -19,6 +19,10 @@
   conversation  a turn on a 200-item conversation the proxy keeps, warm and
            cold, next to the same turn via previous_response_id (the core on
            SQLite, and through mitmdump)
+  websocket  the WebSocket bridge: upstream bytes vs the delta-only limit, turn
+           time over a 10 Mbit/s uplink next to HTTP continuation and plain
+           mitmdump, first-event time next to a socket of the client's own,
+           memory per held socket
 
 ``scripts/bench [--quick] [--only NAME ...]``; results go to stdout as Markdown.
 """
@@ -27,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
+import logging
 import multiprocessing
 import multiprocessing.synchronize
 import os
@@ -54,17 +60,17 @@ from bench_storage import latency as storage_latency  # noqa: E402
 from driver import httpx  # noqa: E402
 from harness import start_mitmdump  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
-from stateful_responses.store_emulation import turns as turns_module  # noqa: E402
 from stateful_responses.emulator import Emulator  # noqa: E402
 from stateful_responses.forward.planner import Planner  # noqa: E402
 from stateful_responses.reading import Request  # noqa: E402
-from stateful_responses.store_emulation.history import History  # noqa: E402
 from stateful_responses.settings import Config, Settings  # noqa: E402
 from stateful_responses.state.outbox import apply_writes  # noqa: E402
 from stateful_responses.state.storage import Storage  # noqa: E402
 from stateful_responses.state.storage.memory import MemoryStorage  # noqa: E402
 from stateful_responses.state.storage.redis import RedisStorage  # noqa: E402
 from stateful_responses.state.storage.sqlite import SQLiteStorage  # noqa: E402
+from stateful_responses.store_emulation import turns as turns_module  # noqa: E402
+from stateful_responses.store_emulation.history import History  # noqa: E402
 from stateful_responses.store_emulation.turns import Tenant  # noqa: E402
 from stateful_responses.store_emulation.conversations import Conversations, listed  # noqa: E402
 
@@ -83,10 +89,11 @@ class Step:
     seconds: float  # from sending to the whole answer read
 
 
-def converse(http, urls: Sequence[str], turns: int, tag: str, pad: int = 0, stream: bool = False) -> Iterator[Step]:
+def converse(http, urls: Sequence[str], turns: int, tag: str, pad: int = 0, stream: bool = False,
+             extra: dict | None = None) -> Iterator[Step]:
     """One tool-using conversation, resending its whole history; yields after
     every request. Requests go to ``urls`` in turn (one proxy, or several
-    that share a store)."""
+    that share a store); ``extra`` adds request fields (``store: false``)."""
     history: list = []
     requests = 0
     for n in range(turns):
@@ -95,7 +102,8 @@ def converse(http, urls: Sequence[str], turns: int, tag: str, pad: int = 0, stre
             text += f' call:get_weather({{"city": "C{n}"}})'
         new = [{"role": "user", "content": text}]
         while True:
-            body = {"model": "gpt-bench", "input": history + new, "tools": TOOLS, "instructions": INSTRUCTIONS}
+            body = {"model": "gpt-bench", "input": history + new, "tools": TOOLS, "instructions": INSTRUCTIONS,
+                    **(extra or {})}
             if stream:
                 body["stream"] = True
             data = json.dumps(body).encode()
@@ -945,10 +953,326 @@ def conversation_proxy_rows(quick: bool) -> list[str]:
 def bench_conversation(quick: bool) -> list[str]:
     return asyncio.run(conversation_core_rows(quick)) + [""] + conversation_proxy_rows(quick)
 
+# -- the WebSocket bridge ----------------------------------
+
+STORE_FALSE = {"store": False}
+
+
+def socket_limit_bytes(new: list, first: bool) -> int:
+    """What a WebSocket client that used previous_response_id itself would send: the HTTP limit's body as a
+    ``response.create`` message."""
+    body = {"type": "response.create", "model": "gpt-bench", "input": new, "tools": TOOLS,
+            "instructions": INSTRUCTIONS, **STORE_FALSE}
+    if not first:
+        body["previous_response_id"] = "resp_" + "0" * 32
+    return len(json.dumps(body).encode())
+
+
+def bridged(upstream: str, **options) -> object:
+    """mitmdump with the addon and its WebSocket bridge on."""
+    return start_mitmdump(upstream, *[f"--set=stateful_{k}={v}" for k, v in options.items()],
+                          upstream_websocket="auto")
+
+
+def websocket_bytes(quick: bool) -> list[str]:
+    rows = ["| conversation, `store: false` | requests | full replay | HTTP continuation (forward mode) "
+            "| over the bridge's socket | delta-only limit, HTTP / socket | bridge / socket limit (target ≤ 1.02) "
+            "| bridge / HTTP limit | bridge / full replay |", "|---|---|---|---|---|---|---|---|---|"]
+    for turns in (10, 50) if quick else (10, 50, 200):
+        upstream: dict[str, int] = {}
+        sizes: list[int] = []
+        limits = [0, 0]
+        for name in ("http", "bridge"):
+            with Emulator() as emu:
+                proxy = bridged(emu.url) if name == "bridge" else start_mitmdump(emu.url)
+                try:
+                    with httpx.Client(trust_env=False, timeout=60) as http:
+                        steps = list(converse(http, [proxy.url], turns, f"bytes {name}", extra=STORE_FALSE))
+                finally:
+                    proxy.stop()
+                log = emu.model.snapshot_log()
+            assert {r["transport"] for r in log} == {"websocket" if name == "bridge" else "http"}
+            upstream[name] = sum(r["body_bytes"] for r in log)
+            sizes = [s.size for s in steps]
+            limits = [sum(limit_bytes(s.new, n == 0) for n, s in enumerate(steps)),
+                      sum(socket_limit_bytes(s.new, n == 0) for n, s in enumerate(steps))]
+        full = sum(sizes)
+        rows.append(f"| {turns} turns | {len(sizes)} | {full:,} B | {upstream['http']:,} B | {upstream['bridge']:,} B | "
+                    f"{limits[0]:,} / {limits[1]:,} B | **{upstream['bridge'] / limits[1]:.3f}** | "
+                    f"{upstream['bridge'] / limits[0]:.3f} | {upstream['bridge'] / full:.3f} |")
+    rows.append("\nThe socket's limit is the HTTP limit's body sent as a `response.create` (25 bytes more a "
+                "message, `\"type\": \"response.create\"`); forward mode sends `store: true` besides (it forces "
+                "storage where there is no socket).")
+    return rows
+
+
+def websocket_uplink(quick: bool) -> list[str]:
+    turns, pad, rounds = (10, 100_000, 1) if quick else (20, 50_000, 3)
+    names = ("floor", "plain", "http", "bridge")
+    steps: dict[str, list[list[Step]]] = {name: [] for name in names}
+    with Emulator() as limited, Emulator() as unlimited:
+        limited.model.control({"read_rate_bytes_per_s": UPLINK_BYTES_PER_S})  # HTTP bodies and socket frames alike
+        proxies = {"plain": start_mitmdump(limited.url, script=False), "http": start_mitmdump(limited.url),
+                   "bridge": bridged(limited.url)}
+        urls = {"floor": unlimited.url, **{name: proxy.url for name, proxy in proxies.items()}}
+        try:
+            with httpx.Client(trust_env=False, timeout=120) as http:
+                for n in range(rounds):
+                    for name in names:
+                        steps[name].append(list(converse(http, [urls[name]], turns, f"uplink {name} {n}", pad=pad,
+                                                         extra=STORE_FALSE)))
+        finally:
+            for proxy in proxies.values():
+                proxy.stop()
+        assert {r["transport"] for r in limited.model.snapshot_log()} == {"http", "websocket"}
+    largest = max(s.size for run in steps["plain"] for s in run)
+    at_1mb = {k: statistics.median(s.seconds for run in v for s in run if s.size >= 0.9 * largest)
+              for k, v in steps.items()}
+    whole = {k: statistics.median(sum(s.seconds for s in run) for run in v) for k, v in steps.items()}
+    ms = {k: f"{v * 1000:.0f} ms" for k, v in at_1mb.items()}
+    return [f"| 10 Mbit/s uplink, history growing to {largest / 1e6:.1f} MB, `store: false` | no limit, no proxy "
+            "| plain mitmdump | HTTP continuation (forward mode) | the bridge's socket | bridge / HTTP continuation "
+            "| bridge / plain |", "|---|---|---|---|---|---|---|",
+            f"| a turn at about {largest / 1e6:.0f} MB of history (median) | {ms['floor']} | {ms['plain']} | "
+            f"{ms['http']} | {ms['bridge']} | **{at_1mb['bridge'] / at_1mb['http']:.2f}** | "
+            f"**{at_1mb['bridge'] / at_1mb['plain']:.3f}** |",
+            f"| the whole conversation, {turns} turns (median of {rounds}) | {whole['floor']:.1f} s | "
+            f"{whole['plain']:.1f} s | {whole['http']:.1f} s | {whole['bridge']:.1f} s | "
+            f"{whole['bridge'] / whole['http']:.2f} | {whole['bridge'] / whole['plain']:.3f} |",
+            "", "The emulator reads HTTP bodies and socket frames alike at 10 Mbit/s. Each transport's first "
+            "request is sent whole; after it, forward mode and the bridge both send only the new items."]
+
+
+def first_event_times(url: str, rounds: int) -> tuple[float, list[float]]:
+    """A conversation through ``url`` over HTTP, streamed: the first turn's time to its first SSE bytes,
+    then each later turn's (each continues the one before)."""
+    history: list = []
+    times = []
+    with httpx.Client(trust_env=False, timeout=60) as http:
+        for n in range(rounds + 1):
+            history.append({"role": "user", "content": f"first event {url} {n}: tell me a long story"})
+            body = {"model": "gpt-bench", "stream": True, "input": history, **STORE_FALSE}
+            started, first, events = time.perf_counter(), None, b""
+            with http.stream("POST", url + "/v1/responses", json=body, headers=AUTH) as r:
+                for chunk in r.iter_raw():
+                    if first is None and chunk:
+                        first = time.perf_counter() - started
+                    events += chunk
+            times.append(first)
+            done = [json.loads(x[6:]) for x in events.decode().splitlines() if x.startswith("data: ")][-1]
+            history += done["response"]["output"]
+    return times[0], times[1:]
+
+
+def direct_socket_times(url: str, rounds: int) -> tuple[float, list[float]]:
+    """The same conversation on a socket of the client's own: connect and first turn, then each
+    ``response.create`` with ``previous_response_id`` to the first event."""
+    import websockets.sync.client
+
+    times, previous = [], None
+    started = time.perf_counter()
+    with websockets.sync.client.connect(url.replace("http", "ws", 1) + "/v1/responses", additional_headers=AUTH,
+                                        proxy=None) as ws:
+        for n in range(rounds + 1):
+            message = {"type": "response.create", "model": "gpt-bench", "input": f"direct {n}: tell me a long story",
+                       **STORE_FALSE, **({"previous_response_id": previous} if previous else {})}
+            if n:
+                started = time.perf_counter()
+            ws.send(json.dumps(message))
+            times.append(None)
+            while True:
+                event = json.loads(ws.recv(timeout=30))
+                times[-1] = times[-1] or time.perf_counter() - started
+                if event["type"] == "response.completed":
+                    previous = event["response"]["id"]
+                    break
+    return times[0], times[1:]
+
+
+def websocket_first_event(quick: bool) -> list[str]:
+    rounds = 5 if quick else 20
+    with Emulator() as emu:
+        emu.model.control({"slow_ms": 15})
+        plain, streaming = start_mitmdump(emu.url, script=False), \
+            start_mitmdump(emu.url, "--set", "stream_large_bodies=1", script=False)
+        proxy = bridged(emu.url)
+        try:
+            first = {"socket": direct_socket_times(emu.url, rounds), "direct": first_event_times(emu.url, rounds),
+                     "plain": first_event_times(plain.url, rounds), "streaming": first_event_times(streaming.url, rounds),
+                     "bridge": first_event_times(proxy.url, rounds)}
+        finally:
+            for process in (plain, streaming, proxy):
+                process.stop()
+    warm = {k: statistics.median(v[1]) * 1000 for k, v in first.items()}
+    cold = {k: v[0] * 1000 for k, v in first.items()}
+    return ["| time to first event, 15 ms between events, `store: false` | a socket of the client's own "
+            "| HTTP to the upstream | plain mitmdump | plain mitmdump, streaming (`stream_large_bodies=1`) "
+            "| HTTP client through the bridge | bridge − own socket | bridge − streaming mitmdump |",
+            "|---|---|---|---|---|---|---|---|",
+            *(f"| {what} | {t['socket']:.1f} ms | {t['direct']:.1f} ms | {t['plain']:.0f} ms | {t['streaming']:.1f} ms | "
+              f"{t['bridge']:.1f} ms | **{t['bridge'] - t['socket']:+.1f} ms** | {t['bridge'] - t['streaming']:+.1f} ms |"
+              for what, t in ((f"a conversation's later turns (median of {rounds})", warm),
+                              ("its first turn (the socket opens)", cold))),
+            "", "Plain mitmdump buffers an SSE answer whole (FACTS.md): its first event comes with the last. "
+            "Streaming, mitmproxy's own HTTP hop is the floor of any addon; the bridge relays each event as it "
+            "arrives, through it. The own socket's first turn includes its connect and upgrade, as the bridge's "
+            "does."]
+
+
+class DeflateUpstream:
+    """A minimal Responses WebSocket upstream that accepts permessage-deflate (the emulator declines it, as a
+    server may): each ``response.create`` is answered with created and completed, echoing the previous id."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True)
+        self._thread.start()
+        self._ready.wait(10)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def _serve(self) -> None:
+        from websockets.asyncio.server import serve
+        from websockets.exceptions import ConnectionClosed
+
+        logging.getLogger("websockets").setLevel(logging.CRITICAL)  # the bench drops its sockets without a close
+
+        async def answer(ws) -> None:
+            with contextlib.suppress(ConnectionClosed):
+                await converse_on(ws)
+
+        async def converse_on(ws) -> None:
+            async for message in ws:
+                body = json.loads(message)
+                response = {"id": f"resp_{random.getrandbits(128):032x}", "status": "in_progress", "output": [],
+                            "previous_response_id": body.get("previous_response_id"), "store": False}
+                await ws.send(json.dumps({"type": "response.created", "response": response}))
+                output = [{"type": "message", "id": f"msg_{random.getrandbits(64):016x}", "status": "completed",
+                           "role": "assistant", "content": [{"type": "output_text", "text": "ok " * 50}]}]
+                await ws.send(json.dumps({"type": "response.completed",
+                                          "response": {**response, "status": "completed", "output": output}}))
+
+        self._stop = asyncio.get_running_loop().create_future()
+        async with serve(answer, "127.0.0.1", 0, max_size=None) as server:
+            self.port = server.sockets[0].getsockname()[1]
+            self._ready.set()
+            await self._stop
+
+    def stop(self) -> None:
+        self._stop.get_loop().call_soon_threadsafe(self._stop.set_result, None)
+        self._thread.join(10)
+
+
+def process_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def held_sockets_rss(upstream: str, sockets: int) -> float:
+    """mitmdump's RSS growth per socket it holds: ``sockets`` conversations of two turns each (the second
+    continued, so that each socket remembers a response), after a warm-up of 20."""
+    proxy = bridged(upstream, upstream_websocket_max_sockets=sockets + 50, upstream_websocket_idle_s=3600)
+    try:
+        with httpx.Client(trust_env=False, timeout=60) as http:
+            def conversations(tag: str, count: int) -> None:
+                for n in range(count):
+                    history: list = []
+                    for turn in range(2):
+                        history.append({"role": "user", "content": f"{tag} conversation {n} turn {turn}"})
+                        r = http.post(proxy.url + "/v1/responses", headers=AUTH,
+                                      json={"model": "gpt-bench", "input": history, **STORE_FALSE})
+                        r.raise_for_status()
+                        history += r.json()["output"]
+
+            conversations("warm-up", 20)
+            time.sleep(1)
+            before = process_rss_mb(proxy.process.pid)
+            conversations("held", sockets)
+            time.sleep(1)
+            after = process_rss_mb(proxy.process.pid)
+    finally:
+        output = proxy.stop()
+    assert f"websocket_turns={2 * (sockets + 20)}" in output, output[-500:]
+    return (after - before) * 1024 / sockets
+
+
+def websocket_memory(quick: bool) -> list[str]:
+    sockets = 100 if quick else 400
+    with Emulator() as emu:
+        plain = held_sockets_rss(emu.url, sockets)
+    upstream = DeflateUpstream()
+    try:
+        deflated = held_sockets_rss(upstream.url, sockets)
+        library = library_memory(upstream.url, sockets)
+    finally:
+        upstream.stop()
+    return ["| memory per held socket (mitmdump's RSS growth over "
+            f"{sockets} idle sockets, each remembering a response) | per socket |", "|---|---|",
+            f"| upstream declines permessage-deflate (the emulator) | {plain:.0f} kB |",
+            f"| upstream accepts permessage-deflate (zlib contexts on both directions) | {deflated:.0f} kB |",
+            "", f"Libraries, {sockets} idle connections opened in one process to the deflate upstream (tracemalloc: "
+            "Python allocations only): websockets' asyncio client, as the bridge uses it, "
+            f"{library['websockets']:.1f} kB a connection; wsproto driven by asyncio streams, "
+            f"{library['wsproto']:.1f} kB (no keepalive, close handshake or flow control of its own)."]
+
+
+def library_memory(url: str, count: int) -> dict[str, float]:
+    """Python allocations per idle connection: websockets' asyncio client vs wsproto over asyncio streams."""
+    from stateful_responses.websocket.connect import Target, TLSOptions, open_socket
+    from wsproto import ConnectionType, WSConnection
+    from wsproto.events import AcceptConnection
+    from wsproto.events import Request as Upgrade
+    from wsproto.extensions import PerMessageDeflate
+
+    host, port = url.split("//")[1].split(":")
+
+    async def with_websockets() -> list:
+        target = Target(url.replace("http", "ws", 1) + "/v1/responses", host, host, int(port), tuple(AUTH.items()))
+        return [await open_socket(target, TLSOptions()) for _ in range(count)]
+
+    async def with_wsproto() -> list:
+        held = []
+        for _ in range(count):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            ws = WSConnection(ConnectionType.CLIENT)
+            writer.write(ws.send(Upgrade(host=f"{host}:{port}", target="/v1/responses",
+                                         extra_headers=list(AUTH.items()), extensions=[PerMessageDeflate()])))
+            while not any(isinstance(e, AcceptConnection) for e in ws.events()):
+                ws.receive_data(await reader.read(65536))
+            held.append((reader, writer, ws))
+        return held
+
+    async def measure(opener) -> float:
+        gc.collect()
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        held = await opener()
+        gc.collect()
+        used = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.stop()
+        for connection in held:
+            connection.abort() if hasattr(connection, "abort") else connection[1].transport.abort()
+        return used / count / 1024
+
+    return {"websockets": asyncio.run(measure(with_websockets)), "wsproto": asyncio.run(measure(with_wsproto))}
+
+
+def bench_websocket(quick: bool) -> list[str]:
+    """The WebSocket bridge: upstream bytes, turn time over a slow uplink, first-event time and memory,
+    each side by side with HTTP continuation, plain mitmdump or a socket of the client's own."""
+    rows = []
+    for part in (websocket_bytes, websocket_uplink, websocket_first_event, websocket_memory):
+        rows += part(quick) + [""]
+    return rows[:-1]
+
 
 BENCHES = {"bytes": bench_bytes, "uplink": bench_uplink, "tax": bench_tax, "plan": bench_plan, "sse": bench_sse,
            "memory": bench_memory, "stores": bench_stores, "agents": bench_agents, "record": bench_record,
-           "seal": bench_seal, "conversation": bench_conversation}
+           "seal": bench_seal, "conversation": bench_conversation, "websocket": bench_websocket}
 
 
 def main() -> None:

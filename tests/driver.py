@@ -67,6 +67,8 @@ class Conversation:
     stream: bool = False
     as_dicts: bool = False  # pass output back as model_dump() dicts instead of SDK objects
     model: str = "gpt-test"
+    options: dict = field(default_factory=dict)  # more create parameters (store=False, say)
+    max_retries: int = 0
     history: list = field(default_factory=list)
     sent: list[Sent] = field(default_factory=list)
 
@@ -79,7 +81,7 @@ class Conversation:
         self.client = openai.OpenAI(
             base_url=self.base_url + "/v1",
             api_key=self.api_key,
-            max_retries=0,
+            max_retries=self.max_retries,
             http_client=httpx.Client(event_hooks={"request": [hook]}, trust_env=False, timeout=30),
         )
 
@@ -87,7 +89,8 @@ class Conversation:
         self.client.close()
 
     def _create(self):
-        return self._send(dict(model=self.model, input=self.history, tools=TOOLS, instructions=INSTRUCTIONS))
+        return self._send(dict(model=self.model, input=self.history, tools=TOOLS, instructions=INSTRUCTIONS,
+                               **self.options))
 
     def _send(self, kwargs: dict):
         """One request, JSON or streamed: the final response either way."""

@@ -1,5 +1,11 @@
 """Processes for the tests, the demo and the benchmarks: free loopback ports,
-and mitmdump (or mitmweb) with the addon, started, awaited and stopped."""
+and mitmdump (or mitmweb) with the addon, started, awaited and stopped.
+
+The emulator has WebSocket mode, as OpenAI's API does, so the addon's default
+(``stateful_upstream_websocket=auto``) would answer every full-history request
+over an upstream socket. Processes started here take the HTTP path unless they
+ask for the bridge (``upstream_websocket="auto"``): most tests are about
+forward mode, store emulation and the record over HTTP."""
 
 from __future__ import annotations
 
@@ -42,7 +48,8 @@ def mitmdump_binary(name: str = "mitmdump") -> str:
     return str(candidate) if candidate.exists() else (shutil.which(name) or name)
 
 
-def mitmdump_args(mode: str, port: int, confdir: str, *extra: str, script: bool = True) -> list[str]:
+def mitmdump_args(mode: str, port: int, confdir: str, *extra: str, script: bool = True,
+                  upstream_websocket: str = "off") -> list[str]:
     args = [
         mitmdump_binary(),
         "--mode", mode,
@@ -53,7 +60,7 @@ def mitmdump_args(mode: str, port: int, confdir: str, *extra: str, script: bool 
         "--set", "termlog_verbosity=info",
     ]
     if script:
-        args += ["-s", str(ADDON)]
+        args += ["-s", str(ADDON), "--set", f"stateful_upstream_websocket={upstream_websocket}"]
     return args + list(extra)
 
 
@@ -116,11 +123,12 @@ class Proxy:
 
 def start_mitmdump(upstream: str, *extra: str, mode: str | None = None, script: bool = True,
                    confdir: str | None = None, port: int | None = None,
-                   preexec_fn: Callable[[], None] | None = None) -> Proxy:
+                   preexec_fn: Callable[[], None] | None = None, upstream_websocket: str = "off") -> Proxy:
     """mitmdump listening when returned, on a free port (or ``port``), with a
     confdir of its own (or ``confdir``, which outlives it: a restart)."""
     owns = confdir is None
     confdir = confdir or tempfile.mkdtemp(prefix="mitm-")
     port = port or free_port()
-    return Proxy(mitmdump_args(mode or f"reverse:{upstream}", port, confdir, *extra, script=script),
+    return Proxy(mitmdump_args(mode or f"reverse:{upstream}", port, confdir, *extra, script=script,
+                               upstream_websocket=upstream_websocket),
                  port, confdir, owns_confdir=owns, preexec_fn=preexec_fn).ready()

@@ -355,6 +355,33 @@ def test_think_ms_and_slow_ms_pace_socket_turns(emulator):
 # -- the wire ---------------------------------------------------------------------------------------
 
 
+def test_a_turn_sent_right_after_the_terminal_event_is_taken(emulator):
+    emulator.model.control({"slow_ms": 30})
+    with sdk(emulator).responses.connect() as conn:
+        first = completed(conn, input="one", store=False)
+        completed(conn, input="two", store=False, previous_response_id=first.id)
+
+
+def test_read_rate_paces_what_a_socket_reads_as_it_paces_an_http_body(emulator):
+    emulator.model.control({"read_rate_bytes_per_s": 1_000_000})
+    message = json.dumps({"type": "response.create", "model": "m", "input": "x" * 300_000})
+    with raw_socket(emulator) as ws:
+        started = time.monotonic()
+        raw_turn(ws, message)
+        elapsed = time.monotonic() - started
+    assert elapsed >= 0.28, elapsed  # 300 kB at 1 MB/s
+
+
+def test_the_log_numbers_each_socket(emulator):
+    client = sdk(emulator)
+    with client.responses.connect() as first, client.responses.connect() as second:
+        completed(first, input="one")
+        completed(second, input="two")
+        completed(first, input="three")
+    numbers = [r["socket"] for r in socket_records(emulator)]
+    assert numbers[0] == numbers[2] != numbers[1]
+
+
 def test_each_event_is_one_text_message_exactly_as_the_http_stream_carries_it(emulator):
     body = {"model": "m", "input": 'call:get_weather({"city": "Oslo"})', "tools": TOOLS,
             "reasoning": {"summary": "auto"}}

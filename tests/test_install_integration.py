@@ -5,7 +5,7 @@ that command prints; and a mitmproxy whose Python lacks a dependency.
 
 Nothing is downloaded: the wheel is built with the test environment's
 setuptools, installed without dependencies, and the fresh environment reaches
-mitmproxy, blake3 and msgspec through a ``.pth`` line naming the test
+mitmproxy, blake3, msgspec and websockets through a ``.pth`` line naming the test
 environment's site-packages (which does not process that directory's own
 ``.pth`` files, so the checkout's editable install stays out of sight)."""
 
@@ -71,6 +71,7 @@ def test_the_wheel_holds_one_package_named_for_what_it_is(installed):
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"stateful_responses"}
     assert "stateful_responses/mitmproxy_script.py" in names
     assert "stateful_responses/emulator/server.py" in names
+    assert "stateful_responses/websocket/addon.py" in names
     assert "stateful-responses = stateful_responses.cli:main" in entry_points
     imported = run(installed.python, "-c", "import stateful_responses; print(stateful_responses.__file__)").stdout
     assert imported.startswith(str(installed.site_packages)), imported
@@ -112,10 +113,10 @@ def test_the_command_runs_a_reverse_proxy_with_the_addon(installed, emulator, tm
         continues(proxy, emulator)
     finally:
         output = proxy.stop()
-    assert "rewritten gpt-test" in output
+    assert "ws: continued from resp_" in output  # by default, over the upstream's WebSocket mode
 
 
-@pytest.mark.parametrize("package", ["blake3", "msgspec"])
+@pytest.mark.parametrize("package", ["blake3", "msgspec", "websockets"])
 def test_a_mitmproxy_without_a_dependency_exits_with_one_clear_message(package, tmp_path):
     hide = f"import sys; sys.modules[{package!r}] = None; "  # import fails as if it were not installed
     args = mitmdump_args("reverse:http://127.0.0.1:9", free_port(), str(tmp_path))  # with the checkout's script

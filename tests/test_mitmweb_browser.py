@@ -22,14 +22,15 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is n
 TOKEN = "stateful-test-token"
 
 
-@pytest.fixture
-def mitmweb(emulator):
+@pytest.fixture(params=["off"])
+def mitmweb(emulator, request):
+    """mitmweb with the addon; ``stateful_upstream_websocket`` as the test's ``mitmweb`` parameter says."""
     confdir = tempfile.mkdtemp(prefix="mitmweb-")
     port, web_port = free_port(), free_port()
     binary = mitmdump_binary("mitmweb")
     args = [binary, "--mode", f"reverse:{emulator.url}", "--listen-host", "127.0.0.1", "--listen-port", str(port),
             "--web-host", "127.0.0.1", "--web-port", str(web_port), "--set", "web_open_browser=false",
-            "--set", f"confdir={confdir}", "-s", str(ADDON)]
+            "--set", f"confdir={confdir}", "-s", str(ADDON), "--set", f"stateful_upstream_websocket={request.param}"]
     for column in ("icon", "path", "method", "status", "size", "time", "comment"):
         args += ["--set", f"web_columns={column}"]
     if "web_password" in subprocess.run([binary, "--options"], capture_output=True, text=True).stdout:
@@ -73,5 +74,34 @@ def test_flow_list_and_view_show_the_decision(mitmweb):
             assert "previous_response_id: resp_" in detail
             if SCREENSHOT:
                 page.screenshot(path=SCREENSHOT)
+        finally:
+            browser.close()
+
+
+@pytest.mark.parametrize("mitmweb", ["auto"], indirect=True)
+def test_a_bridged_flow_shows_the_real_upstream_and_what_went_over_the_socket(mitmweb, emulator):
+    playwright = pytest.importorskip("playwright.sync_api")
+    proxy, web_url = mitmweb
+    conv = Conversation(proxy.url, options={"store": False})
+    for text in user_turns(3):
+        conv.turn(text)
+    conv.close()
+    assert {r["transport"] for r in emulator.model.snapshot_log()} == {"websocket"}
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.goto(web_url)
+            rows = page.locator(".flow-table tbody tr.has-request")
+            rows.nth(len(conv.sent) - 1).wait_for(timeout=20_000)
+            table = page.locator(".flow-table").inner_text()
+            assert table.count("ws: continued from resp_") == len(conv.sent) - 1 and "ws: full: 1 items" in table
+            assert f":{emulator.port}/v1/responses" in table and "stateful-websocket" not in table
+            rows.nth(len(conv.sent) - 1).click()
+            page.get_by_text("Stateful Responses").first.wait_for(timeout=20_000)
+            detail = page.locator(".flow-detail").inner_text()
+            assert "transport: the upstream's WebSocket, continue" in detail and '"store": false' in detail
         finally:
             browser.close()

@@ -322,6 +322,21 @@ def test_a_forced_store_counts_as_refused_only_when_the_original_then_went_throu
     assert planner.plan(request(conv, "other-tenant")).forced_store
 
 
+def test_no_store_is_forced_where_the_upstreams_websocket_mode_serves_the_deltas():
+    planner = Planner()
+    conv = [{"role": "user", "content": "x"}]
+    scope = planner.plan(request(conv, store=False)).scope
+    planner.upstreams.mark("accepts_websocket", scope)
+    plan = planner.plan(request(conv, store=False))
+    assert not plan.forced_store and plan.body is None  # the client's own body, store: false kept
+    assert planner.plan(request(conv, "other-tenant", store=False)).forced_store
+    planner.config.update(Settings(upstream_websocket="off"))  # no bridge: forward mode forces as before
+    assert planner.plan(request(conv, store=False)).forced_store
+    planner.config.update(Settings())
+    planner.upstreams.mark("refuses_websocket", scope)  # it refused since
+    assert planner.plan(request(conv, store=False)).forced_store
+
+
 def a_continuing_request() -> tuple[Planner, Request]:
     """A planner that stored one answer for credential "k", and k's next
     request, which continues from it."""

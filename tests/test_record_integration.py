@@ -66,7 +66,9 @@ def test_a_full_history_conversation_is_one_chain_turn_by_turn(emulator, start_p
     lines = [json.loads(line) for line in record_file.read_text().splitlines()]
     assert [line["continuation"]["turnId"] for line in lines] == [r["turnId"] for r in records]
     assert {line["protocol"] for line in lines} == {"openai-responses"}
-    assert all(line.keys() == {"flow", "time", "protocol", "model", "continuation", "audit"} for line in lines)
+    assert all(line.keys() == {"flow", "time", "protocol", "model", "transport", "continuation", "audit"}
+               for line in lines)
+    assert all(line["transport"] == {"client": "http", "upstream": "http"} for line in lines)
     text = record_file.read_text()
     assert "turn 0" not in text and "temp_c" not in text  # no prompt text, no tool result
 

@@ -9,6 +9,8 @@ a pure core that never imports mitmproxy:
 * ``store_emulation``: the proxy keeps the chain for clients that send
   ``previous_response_id`` to upstreams that store nothing, forget or ignore it.
 * ``record``: one continuation record per LLM API call, any protocol.
+* ``websocket``: full-history requests continued over a socket the proxy holds
+  to the upstream's WebSocket mode, which needs no storage.
 * ``router``: several upstreams, chains kept where their state lives.
 * ``state``: what outlives the process, behind one storage interface.
 

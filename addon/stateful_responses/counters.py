@@ -16,4 +16,6 @@ class Counters:
     fallbacks: int = 0
     unsupported_upstreams: int = 0
     ambiguous: int = 0
+    websocket_turns: int = 0  # requests answered over an upstream WebSocket
+    websocket_retries: int = 0  # of which retried invisibly after a socket failed or refused
     errors: int = 0

@@ -29,6 +29,7 @@ EMULATION = "stateful_emulation"  # what store emulation did with the flow
 CONVERSATION = "stateful_conversation"  # {"id", "items", …}: a conversation the proxy keeps, expanded into the request
 ROUTED = "stateful_routed"  # {"upstream", "reason", "moved", …}: where the router sent it
 RETRY_OF = "stateful_retry_of"  # our own retry of the client's flow (its id)
+BRIDGED = "stateful_websocket"  # {"transport", "action", …}: an HTTP request served over an upstream WebSocket
 # flow.metadata key: an answer held back whole, so that the response hook can
 # replace it before the client sees a byte; no addon streams it.
 HELD = "stateful_held"

@@ -23,6 +23,7 @@ from .store_emulation.conversations import Conversations
 from .store_emulation.history import History
 from .tenancy import Tenancy
 from .upstreams import Upstreams
+from .websocket.addon import WebSocketBridge
 
 
 def make_addons() -> list:
@@ -45,11 +46,13 @@ def make_addons() -> list:
         Options(config),  # first: parses every option before the others configure
         state,
         record,  # lifts the client's own request, before any change
-        router,  # picks the upstream the next three plan for
+        router,  # picks the upstream the next four plan for
         conversation_emulation,  # before store emulation: it records the expanded body
         emulation,  # before forward mode: it plans the expanded body
+        # before forward mode: a flow it takes is answered over an upstream WebSocket, never rewritten
+        WebSocketBridge(config, counters, tenancy, reader, upstreams, state, replays),
         ForwardMode(planner, state, replays, proofs),
-        router.answers,  # fails over after the two above learned from the failed answer
+        router.answers,  # fails over after the ones above learned from the failed answer
         record.answers,  # records what the client got, after every change
         replays,  # last: its collector wraps the others' taps
         FrozenStartupHeap(),

@@ -82,6 +82,15 @@ def parse_emulate(name: str, value: object) -> str:
     raise SettingsError(f"{name}: expected one of {', '.join(EMULATE_MODES)}, got {value!r}")
 
 
+WEBSOCKET_MODES = ("off", "auto")
+
+
+def parse_websocket(name: str, value: object) -> str:
+    if isinstance(value, str) and value.strip().lower() in WEBSOCKET_MODES:
+        return value.strip().lower()
+    raise SettingsError(f"{name}: expected one of {', '.join(WEBSOCKET_MODES)}, got {value!r}")
+
+
 def parse_store(name: str, value: object) -> str:
     if not isinstance(value, str):
         raise SettingsError(f"{name}: expected sqlite, sqlite:PATH, memory, redis://… or rediss://…")
@@ -136,6 +145,18 @@ OPTIONS: dict[str, tuple[Any, Any, Any, str]] = {
         "A file holding a key (16 bytes or more) that is mixed into every seal of store emulation's records, "
         "so that a copy of the store alone opens nothing (default: the STATEFUL_RESPONSES_SEAL_KEY variable).",
     ),
+    "stateful_upstream_websocket": (
+        parse_websocket, str, "auto",
+        "Full-history Responses requests continued over a WebSocket the proxy holds to the upstream (its "
+        "WebSocket mode: no storage, the client's store kept): off, or auto (where the upstream accepts the "
+        "upgrade; a refusal is remembered per upstream + credential and HTTP is used as before).",
+    ),
+    "stateful_upstream_websocket_max_sockets": (
+        parse_positive_int, int, 32, "Upstream WebSockets held at most per upstream + credential.",
+    ),
+    "stateful_upstream_websocket_idle_s": (
+        parse_positive_int, int, 300, "Seconds an upstream WebSocket may stay unused before it is closed.",
+    ),
     "stateful_debug": (parse_bool, bool, False, "Log one line per decision."),
 }
 PARSERS = {name: spec[0] for name, spec in OPTIONS.items()}
@@ -157,6 +178,9 @@ class Settings:
     record_file: str = ""
     store_max_mb: int = 512
     seal_key_file: str = ""
+    upstream_websocket: str = "auto"
+    upstream_websocket_max_sockets: int = 32
+    upstream_websocket_idle_s: int = 300
     debug: bool = False
 
     @classmethod

@@ -11,7 +11,7 @@ import json
 
 from mitmproxy import contentviews
 
-from .flows import AUDIT, CLIENT_BODY, CONTINUATION, DECISION
+from .flows import AUDIT, BRIDGED, CLIENT_BODY, CONTINUATION, DECISION
 
 NAME = "Stateful Responses"
 
@@ -35,9 +35,23 @@ def _record_lines(flow) -> list[str]:
     return lines
 
 
+def _bridged_lines(bridged: dict) -> list[str]:
+    """What went over the upstream WebSocket (the body shown is the client's: it went as a response.create)."""
+    if bridged.get("transport") != "websocket":
+        return [f"transport: HTTP: the upstream's WebSocket could not answer it ({'; '.join(bridged.get('retries') or [])})"]
+    lines = [f"transport: the upstream's WebSocket, {bridged.get('action')}"]
+    if bridged.get("previous_response_id"):
+        lines.append(f"previous_response_id: {bridged['previous_response_id']} (the socket's latest response)")
+    lines.append(f"items: {bridged.get('items_sent', '?')} sent of {bridged.get('items_total', '?')}")
+    lines += [f"retried: {why}" for why in bridged.get("retries") or []]
+    return lines
+
+
 def render(flow, data: bytes) -> str:
-    if DECISION not in flow.metadata:  # another protocol's call: its record and its body
-        return "\n".join(_record_lines(flow)[1:] + ["", f"--- body ({len(data)} bytes) ---", _pretty(data)])
+    if DECISION not in flow.metadata:  # a bridged flow, or another protocol's call: its record and its body
+        bridged = flow.metadata.get(BRIDGED)
+        head = _bridged_lines(bridged) + _record_lines(flow) if bridged else _record_lines(flow)[1:]
+        return "\n".join(head + ["", f"--- body ({len(data)} bytes) ---", _pretty(data)])
     decision = flow.metadata.get(DECISION, {})
     lines = [f"decision: {decision.get('action', '?')} ({decision.get('reason', '')})"]
     if decision.get("previous_response_id"):
@@ -61,7 +75,8 @@ def render(flow, data: bytes) -> str:
 
 
 def _ours(flow) -> bool:
-    return flow is not None and (DECISION in flow.metadata or bool(flow.metadata.get(CONTINUATION)))
+    return flow is not None and (DECISION in flow.metadata or BRIDGED in flow.metadata
+                                 or bool(flow.metadata.get(CONTINUATION)))
 
 
 def _is_our_request(flow, message) -> bool:

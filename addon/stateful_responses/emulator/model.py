@@ -21,6 +21,7 @@ queue for all; their modules give each API's shapes (conversation.py).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import random
 import threading
@@ -102,13 +103,18 @@ SETTABLE = ("stateless", "conversations", "echo_store", "echo_previous", "refuse
             "slow_ms", "think_ms", "gzip", "background_delay_ms", "read_rate_bytes_per_s", "websocket", "ws_lifetime_s")
 
 
+_SOCKET_NUMBERS = itertools.count(1)
+
+
 @dataclass
 class SocketSession:
-    """One WebSocket's state: the credential of its upgrade, when it opened, its
-    most recent response (kept in memory: the connection-local cache), and
-    whether a turn is running on it (one response at a time)."""
+    """One WebSocket's state: the credential of its upgrade, its number (the
+    log's ``socket``), when it opened, its most recent response (kept in memory:
+    the connection-local cache), and whether a turn is running on it (one
+    response at a time)."""
 
     credential: str
+    number: int = field(default_factory=lambda: next(_SOCKET_NUMBERS))
     opened: float = field(default_factory=time.monotonic)
     latest: StoredResponse | None = None
     running: str | None = None  # the id of the response whose events the socket is sending
@@ -190,6 +196,7 @@ class ResponsesModel:
         not, as that turn is still to finish.
         """
         record = _record(RESPONSES, "websocket", socket.credential, message_bytes, sha256)
+        record["socket"] = socket.number
         return self._logged(record, lambda: self._create_on_socket(socket, message, record))
 
     def _logged(self, record: dict, create: Callable[[], tuple[dict, dict | None]]) -> tuple[dict, dict | None]:

@@ -128,7 +128,8 @@ class ResponsesSocket:
                     return
                 sent.append(self._send_json(event))
                 self.model.record_messages(response["id"], sent)
-                self._pause(self.model.faults.slow_ms)
+                if n < len(events) - 1:  # after the terminal event the response is done: the next may start
+                    self._pause(self.model.faults.slow_ms)
         finally:
             self.session.running = None
 
@@ -168,10 +169,15 @@ class ResponsesSocket:
     def _read(self) -> None:
         """Frames in, messages out: each complete message (text, or binary
         holding the same JSON) is queued; a ping is answered; a close is
-        answered and ends the queue, as does a broken connection."""
+        answered and ends the queue, as does a broken connection. Reads are
+        paced by ``read_rate_bytes_per_s``, as HTTP bodies are."""
         parts: list[bytes] = []
+        paced_until = time.monotonic()
         try:
             while data := self.rfile.read1(READ_SIZE):
+                if rate := self.model.faults.read_rate_bytes_per_s:  # a slow uplink, as for HTTP bodies
+                    paced_until = max(paced_until, time.monotonic()) + len(data) / rate
+                    time.sleep(max(0.0, paced_until - time.monotonic()))
                 with self._lock:
                     self._ws.receive_data(data)
                     events = list(self._ws.events())

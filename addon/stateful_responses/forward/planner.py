@@ -187,6 +187,8 @@ class Planner:
             and s.force_store
             and client_store is not True
             and not self.upstreams.has("no_forced_store", scope)
+            # the upstream's WebSocket mode serves deltas without storage: never force it to store
+            and not (s.upstream_websocket == "auto" and self.upstreams.serves_websocket(scope))
         )
         asked_store = client_store is True or force
         plan = Plan(

@@ -19,6 +19,7 @@ import os
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
 
 import msgspec
 from mitmproxy import ctx, http
@@ -26,6 +27,7 @@ from mitmproxy import ctx, http
 from ..counters import Counters
 from ..flows import (
     AUDIT,
+    BRIDGED,
     CONTINUATION,
     CONVERSATION,
     DECISION,
@@ -38,13 +40,13 @@ from ..flows import (
     request_of,
 )
 from ..items import Ambiguous
-from ..reading import Reader, Reading
+from ..reading import Reader, Reading, upstream_of
 from ..settings import Config
-from ..sse import LiftReader
+from ..sse import TERMINAL_EVENTS, LiftReader
 from ..state.access import StateAccess
 from ..tenancy import Tenancy, credential_material
 from .index import CHAIN_TIPS, ChainIndex, Turn, audit_entry, chain_tag
-from .protocols import AnswerLifter, LiftedRequest, detect, lift_request, responses
+from .protocols import AnswerLifter, LiftedAnswer, LiftedRequest, detect, lift_request, responses
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +88,29 @@ class RecordFile:
                 logger.warning("stateful-responses: cannot append to the record file (%s)", e.strerror)
 
 
+class _Type(msgspec.Struct):
+    type: object = None
+
+
+def _message_type(content: bytes) -> object:
+    try:
+        return msgspec.json.decode(content, type=_Type).type
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+@dataclass
+class _SocketTurns:
+    """A client's own WebSocket to a Responses endpoint: its ``response.create``
+    turns still unanswered, oldest first (one runs at a time; the events that
+    come back belong to the oldest)."""
+
+    credential: bytes
+    upstream: str
+    count: int = 0
+    open: list[tuple[Turn, AnswerLifter, int]] = field(default_factory=list)
+
+
 class ContinuationRecord:
     def __init__(self, config: Config, counters: Counters, tenancy: Tenancy, reader: Reader, state: StateAccess,
                  index: ChainIndex) -> None:
@@ -98,6 +123,7 @@ class ContinuationRecord:
         self.file = RecordFile()
         # by flow id: the turn, and the reader tapping the answer as it streams (and which answer)
         self._turns: PerFlow[tuple[Turn, LiftReader | None, http.Response | None]] = PerFlow()
+        self._sockets: PerFlow[_SocketTurns] = PerFlow()
 
     def configure(self, updated: set[str]) -> None:
         if "stateful_record_file" in updated:
@@ -169,6 +195,82 @@ class ContinuationRecord:
         except Exception:
             internal_error(self.counters, "tapping an answer to lift")
 
+    # -- a client's own WebSocket (Codex, the openai SDK's responses.connect()): it passes untouched ----------
+
+    async def websocket_message(self, flow: http.HTTPFlow) -> None:
+        """Each ``response.create`` a client sends on its own socket is a turn
+        with a record of its own; the events that come back are its answer."""
+        if not self.config.settings.enabled or flow.websocket is None or flow.request.method != "GET" \
+                or upstream_of(flow.request.url) is None:
+            return
+        message = flow.websocket.messages[-1]
+        try:
+            if message.from_client:
+                await self._socket_request(flow, message.content)
+            else:
+                self._socket_event(flow, message.content)
+        except Exception:
+            internal_error(self.counters, "recording a WebSocket turn")
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
+        sockets = self._sockets.pop(flow)
+        for turn, _, n in sockets.open if sockets is not None else ():
+            try:
+                self._finish_socket_turn(flow, turn, None, n)
+            except Exception:
+                internal_error(self.counters, "recording a WebSocket turn")
+
+    async def _socket_request(self, flow: http.HTTPFlow, content: bytes) -> None:
+        if _message_type(content) != "response.create":
+            return
+        await self.state.ready()
+        sockets = self._sockets.get(flow)
+        if sockets is None:
+            sockets = _SocketTurns(credential_material(request_of(flow)), _upstream(flow))
+            self._sockets.put(flow, sockets)
+        lifted = lift_request("openai-responses", flow.request.url, content)
+        try:
+            turn = None if lifted is None else self.index.begin(
+                lifted, sockets.credential, self.tenancy.secret, flow_id=f"{flow.id}#{sockets.count}",
+                upstream=sockets.upstream)
+        except (Ambiguous, RecursionError):
+            turn = None
+        if turn is None:
+            return
+        if turn.unresolved:
+            self.index.resolve(turn, await self.state.get(self.index.table_of(turn), turn.unresolved))
+        if chains := self.index.unknown_tips(turn):
+            self.index.learn_tips(turn, await self.state.get(CHAIN_TIPS, chains))
+        self.index.claim(turn)
+        self.state.flush()
+        sockets.open.append((turn, AnswerLifter(turn.protocol), sockets.count))
+        sockets.count += 1
+        flow.metadata[CONTINUATION] = turn.record()
+        flow.metadata[AUDIT] = {"protocolMapping": turn.audit()}
+        flow.comment = chain_tag(turn.chain_id)
+
+    def _socket_event(self, flow: http.HTTPFlow, content: bytes) -> None:
+        sockets = self._sockets.get(flow)
+        if sockets is None or not sockets.open:
+            return
+        turn, lifter, n = sockets.open[0]
+        kind = _message_type(content)
+        lifter.event(kind if isinstance(kind, str) else "", content.decode("utf-8", "replace"))
+        if kind in TERMINAL_EVENTS:
+            sockets.open.pop(0)
+            self._finish_socket_turn(flow, turn, lifter.finish(), n)
+
+    def _finish_socket_turn(self, flow: http.HTTPFlow, turn: Turn, answer: LiftedAnswer | None, n: int) -> None:
+        self.index.finish(turn, answer)
+        self.state.flush()
+        record, audit = turn.record(), {"protocolMapping": turn.audit()}
+        flow.metadata[CONTINUATION] = record
+        flow.metadata[AUDIT] = audit
+        flow.comment = chain_tag(turn.chain_id)
+        self.file.append({"flow": flow.id, "turn": n, "time": time.time(), "protocol": turn.protocol,
+                          "model": turn.request.model, "transport": {"client": "websocket", "upstream": "websocket"},
+                          "continuation": record, "audit": audit})
+
     @property
     def answers(self) -> RecordAnswers:
         return RecordAnswers(self)
@@ -202,6 +304,8 @@ class ContinuationRecord:
 
     def _finish(self, flow: http.HTTPFlow, turn: Turn, answer) -> None:
         changes, turn.continued_upstream, expanded = _changes_made(flow, turn.protocol)
+        bridged, routed_away = flow.metadata.get(BRIDGED) or {}, (flow.metadata.get(ROUTED) or {}).get("failed_over_to")
+        upstream_transport = "websocket" if bridged.get("transport") == "websocket" and not routed_away else "http"
         turn.changes += changes
         turn.restored = turn.continued_upstream or expanded
         routed = flow.metadata.get(ROUTED) or {}
@@ -216,7 +320,8 @@ class ContinuationRecord:
             comment = comment.partition(" ")[2]
         flow.comment = f"{chain_tag(turn.chain_id)} {comment}".strip()
         self.file.append({"flow": flow.id, "time": time.time(), "protocol": turn.protocol,
-                          "model": turn.request.model, "continuation": record, "audit": audit})
+                          "model": turn.request.model, "transport": {"client": "http", "upstream": upstream_transport},
+                          "continuation": record, "audit": audit})
 
 
 class RecordAnswers:
@@ -249,6 +354,23 @@ def _changes_made(flow: http.HTTPFlow, protocol: str) -> tuple[list, bool, bool]
     routed = flow.metadata.get(ROUTED) or {}
     continued = decision.get("action") == "continue"
     refused, failed_over = decision.get("retried_after"), routed.get("failed_over_to")
+    bridged = flow.metadata.get(BRIDGED) or {}
+    over_socket = bridged.get("transport") == "websocket" and not failed_over
+    socket_continued = over_socket and bridged.get("action") == "continue"
+    if socket_continued:
+        changes.append(audit_entry(
+            "input", "preserved",
+            f"continued over the upstream's WebSocket from {bridged.get('previous_response_id')}: "
+            f"{bridged.get('items_sent')} of {bridged.get('items_total')} items sent, the rest from the socket's "
+            "memory of its latest response (nothing stored upstream)", protocol))
+    if over_socket:
+        changes.append(audit_entry("transport", "preserved", "sent as a response.create over the proxy's WebSocket "
+                                   "to the upstream, store as the client sent it; the events came back as this HTTP "
+                                   "answer", protocol))
+    elif bridged:
+        retries = "; ".join(bridged.get("retries") or []) or "it failed over elsewhere"
+        changes.append(audit_entry("transport", "preserved", f"the upstream's WebSocket could not answer it "
+                                   f"({retries}): the client's own request went over HTTP", protocol))
     if refused:
         change = f"continued from {decision.get('previous_response_id')}" if continued else "the changed request"
         changes.append(audit_entry("input", "preserved", f"{change}: the upstream answered {refused}; the client's "
@@ -298,4 +420,5 @@ def _changes_made(flow: http.HTTPFlow, protocol: str) -> tuple[list, bool, bool]
                                    "the conversation named by id without their encrypted_content: an upstream that "
                                    "persists nothing cannot read them", protocol))
     expanded = bool(emulated.get("expanded") or conversation.get("id"))
-    return changes, continued and not refused and not failed_over, expanded
+    upstream_state = (continued and not refused and not failed_over) or socket_continued
+    return changes, upstream_state, expanded

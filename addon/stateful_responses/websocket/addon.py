@@ -1,0 +1,374 @@
+"""The WebSocket bridge's mitmproxy glue (``stateful_upstream_websocket``).
+
+Listed after store emulation and before forward mode. In ``request``, a
+full-history Responses request the bridge may take gets a socket of its
+upstream + credential (``pool.Pool``): one whose latest response its history
+strictly extends, or a new one, opened right here (a refused upgrade is marked
+for that upstream + credential and the flow goes on untouched, over HTTP, to
+forward mode). The flow is then pointed at the loopback server, its real
+request kept; forward mode no longer sees a Responses request and leaves it
+alone. The loopback server answers it over the socket (``relay``), and
+``responseheaders`` gives the flow its real request back, so that mitmweb, the
+record and ``-w`` show the real upstream URL and the client's body, and lets
+mitmproxy stream the answer as it comes.
+
+Not in ``--mode upstream:``: the socket would have to reach the upstream
+through that proxy, and the loopback server cannot be reached through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+from blake3 import blake3
+from mitmproxy import ctx, http
+from mitmproxy.proxy import mode_specs
+
+from ..bounded import Bounded
+from ..counters import Counters
+from ..flows import BRIDGED, CLIENT_BODY, DECISION, HELD, RETRY_OF, PerFlow, internal_error, request_of
+from ..reading import Reader, Reading, upstream_of
+from ..replays import Replays, bad_gateway
+from ..settings import Config, Settings
+from ..state.access import StateAccess
+from ..tenancy import Tenancy, is_credential_header
+from ..upstreams import Upstreams
+from .connect import Refused, Target, TLSOptions, Unreachable, open_socket
+from .loopback import PATH_PREFIX, Answer, Loopback
+from .messages import Tip, socket_message
+from .pool import Held, Pool
+from .relay import HttpAnswer, Outcome, Turn, relay
+
+logger = logging.getLogger(__name__)
+
+SWEEP_EVERY_S = 5.0  # idle and aged sockets are closed this often
+UNCLAIMED_S = 60.0  # a redirected flow that never reached the loopback server gives its socket back
+REST_S = 60.0  # an upstream + credential whose socket could not be opened goes over HTTP this long
+_HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "upgrade"})
+MARKS = {"continue": ":recycle:", "full": ":arrow_right:", "http": ":warning:"}
+
+
+@dataclass
+class _Job:
+    """A redirected flow, from its request hook to the end of its answer."""
+
+    flow: http.HTTPFlow
+    client: http.Request  # the client's request as it was: restored, and sent over HTTP if it must
+    turn: Turn
+    held: Held
+    scope: str
+    label: str
+    client_bytes: int
+    token: str
+
+
+def namespace(secret: bytes, upstream: str, model: str, credential: bytes) -> bytes:
+    """What a socket's memory is matched under: upstream + model + credential,
+    as forward mode's namespace (a keyed hash: the credential is never kept)."""
+    h = blake3(key=secret)
+    h.update(f"websocket\x00{upstream}\x00{model}\x00".encode("utf-8", "surrogatepass"))
+    h.update(credential)
+    return h.digest()
+
+
+def target_of(request: http.Request) -> Target:
+    """Where mitmproxy would send ``request``, as a WebSocket URL: the
+    upstream's name (an address of transparent mode gives way to the Host
+    header's name, for TLS), the request's path and query, its credential
+    headers and User-Agent on the upgrade (never Proxy-Authorization)."""
+    name = request.host
+    try:
+        ipaddress.ip_address(name)
+        name = request.host_header.rsplit(":", 1)[0].strip("[]") if request.host_header else name
+    except ValueError:
+        pass
+    netloc = f"[{name}]" if ":" in name else name
+    default_port = 443 if request.scheme == "https" else 80
+    if request.port != default_port:
+        netloc += f":{request.port}"
+    scheme = "wss" if request.scheme == "https" else "ws"
+    headers = tuple((k, v) for k, v in request.headers.items(multi=True)
+                    if (lower := k.lower()) != "proxy-authorization" and (is_credential_header(lower)
+                                                                           or lower == "user-agent"))
+    return Target(f"{scheme}://{netloc}{request.path}", name, request.host, request.port, headers)
+
+
+def tls_options() -> TLSOptions:
+    o = ctx.options
+    return TLSOptions(o.ssl_insecure, o.ssl_verify_upstream_trusted_ca, o.ssl_verify_upstream_trusted_confdir,
+                      o.client_certs)
+
+
+class WebSocketBridge:
+    def __init__(self, config: Config, counters: Counters, tenancy: Tenancy, reader: Reader, upstreams: Upstreams,
+                 state: StateAccess, replays: Replays) -> None:
+        self.config = config
+        self.counters = counters
+        self.tenancy = tenancy
+        self.reader = reader
+        self.upstreams = upstreams
+        self.state = state
+        self.replays = replays
+        s = config.settings
+        self.pool = Pool(time.monotonic, s.upstream_websocket_max_sockets, s.upstream_websocket_idle_s)
+        self.loopback = Loopback(self._serve)
+        self._jobs: dict[str, _Job] = {}  # by token: redirected, not yet claimed by the loopback server
+        self._flows: PerFlow[_Job] = PerFlow()
+        self._resting = Bounded(4096)  # scope -> until when its sockets are not tried
+        self._sweeper: asyncio.Task | None = None
+        config.on_change(self._reconfigure)
+        tenancy.on_new_secret(self._close_all)  # scopes and namespaces are named anew
+
+    @property
+    def settings(self) -> Settings:
+        return self.config.settings
+
+    def _reconfigure(self, old: Settings, new: Settings) -> None:
+        self.pool.max_per_scope = new.upstream_websocket_max_sockets
+        self.pool.idle_s = new.upstream_websocket_idle_s
+        if new.upstream_websocket == "off" or not new.enabled:
+            self._close_all()
+
+    # -- hooks -------------------------------------------------------------------
+
+    def running(self) -> None:
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    def done(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        self.loopback.close()
+        for connection in self.pool.close_all():
+            connection.abort()
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        if not self._may_bridge(flow):
+            return
+        await self.state.ready()
+        try:
+            await self._bridge(flow)
+        except Exception:
+            internal_error(self.counters, "bridging a request to an upstream WebSocket")
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        job = self._flows.get(flow)
+        if job is None or flow.response is None:
+            return
+        flow.request.data = job.client.data  # mitmweb, the record and -w show what the client sent, and where
+        if not flow.response.stream and not flow.metadata.get(HELD):
+            flow.response.stream = True  # each event on to the client as it comes
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        job = self._flows.pop(flow)
+        if job is None:
+            return
+        flow.request.data = job.client.data
+        self._unclaimed(job)
+
+    # -- taking a flow -----------------------------------------------------------
+
+    def _may_bridge(self, flow: http.HTTPFlow) -> bool:
+        s = self.settings
+        req = flow.request
+        return (s.enabled and s.upstream_websocket == "auto" and req.method == "POST" and flow.response is None
+                and req.raw_content is not None and upstream_of(req.url) is not None and s.url_matches(req.url)
+                and not ({RETRY_OF, DECISION, CLIENT_BODY} & flow.metadata.keys())
+                and not isinstance(flow.client_conn.proxy_mode, mode_specs.UpstreamMode))
+
+    async def _bridge(self, flow: http.HTTPFlow) -> None:
+        reading = self.reader.read(request_of(flow), count=False)
+        if not isinstance(reading, Reading) or reading.previous is not None or _socket_refuses(reading):
+            return
+        scope, label = reading.scope, reading.label
+        if self.upstreams.has("refuses_websocket", scope) or self._resting.get(scope, 0.0) > time.monotonic():
+            return
+        root = namespace(self.tenancy.secret, reading.upstream, reading.model, reading.credential)
+        named = self.reader.digests.references
+        references = {d: named[d] for d in reading.digests if d in named} if named else {}
+        choice = self.pool.choose(scope, root, reading.digests, references)
+        self._close(self.pool.take_closing())
+        if choice is None:
+            self._debug("ws: every socket of %s is busy; over HTTP", label)
+            return
+        try:
+            await self._take(flow, reading, root, references, choice.held, choice.continued, choice.fresh)
+        except BaseException:  # a socket the flow does not go to goes back, whatever happened
+            if choice.held.busy and self._flows.get(flow) is None:
+                self._close([c for c in [self.pool.release(choice.held, choice.held.tip)] if c is not None])
+            raise
+
+    async def _take(self, flow: http.HTTPFlow, reading: Reading, root: bytes, references: dict[bytes, str],
+                    held: Held, tip: Tip | None, fresh: bool) -> None:
+        """Open the socket if it is new, then make the turn and point the flow at the loopback server."""
+        scope, label = reading.scope, reading.label
+        target = target_of(flow.request)
+        if fresh:
+            self._debug("ws: opening a socket to %s", label)
+            try:
+                self.pool.opened(held, await open_socket(target, tls_options()))
+            except Refused as e:
+                self.pool.remove(held)
+                self._refused(scope, label, e.status)
+                return
+            except Unreachable as e:
+                self.pool.remove(held)
+                self._resting.put(scope, time.monotonic() + REST_S)
+                self._debug("ws: no socket to %s (%s); over HTTP for %ds", label, e, REST_S)
+                return
+        digests = reading.digests
+        if tip is not None and references:
+            outputs = dict(tip.outputs)
+            digests = [outputs.get(references.get(d, ""), d) for d in digests]
+        client = flow.request.copy()
+        body, fields = client.raw_content or b"", reading.fields
+        turn = Turn(streamed=bytes(fields.get("stream", b"")) == b"true", root=root, digests=digests,
+                    full_message=socket_message(body, fields), items_total=len(digests),
+                    open_socket=lambda: open_socket(target, tls_options()),
+                    over_http=lambda: self._over_http(flow, client), settle=lambda outcome: self._settle(job, outcome))
+        if tip is not None:
+            assert reading.raw_items is not None  # a string input is one item: it extends nothing
+            turn.continued, turn.items_sent = tip, len(digests) - tip.length
+            turn.delta_message = socket_message(body, fields, reading.raw_items[tip.length:], tip.response_id)
+        job = _Job(flow, client, turn, held, scope, label, len(body), secrets.token_urlsafe(24))
+        await self.loopback.start()
+        self._redirect(flow, job)
+
+    def _redirect(self, flow: http.HTTPFlow, job: _Job) -> None:
+        """Point the flow at the loopback server (the last step: nothing after it can fail)."""
+        self._jobs[job.token] = job
+        self._flows.put(flow, job)
+        asyncio.get_running_loop().call_later(UNCLAIMED_S, self._unclaimed, job)
+        where = f"127.0.0.1:{self.loopback.port}"
+        flow.request.data = http.Request.make("POST", f"http://{where}{PATH_PREFIX}{job.token}", b"",
+                                              {"host": where, "content-length": "0"}).data
+        turn = job.turn
+        self.counters.requests += 1
+        plan = _summary(turn.continued.response_id if turn.continued else None, turn.items_sent, turn.items_total)
+        flow.comment, flow.marked = plan, MARKS["continue" if turn.continued else "full"]
+        flow.metadata[BRIDGED] = {"transport": "websocket", "action": "continue" if turn.continued else "full",
+                                  "previous_response_id": turn.continued.response_id if turn.continued else None,
+                                  "items_total": turn.items_total,
+                                  "items_sent": turn.items_sent if turn.continued else turn.items_total}
+
+    def _unclaimed(self, job: _Job) -> None:
+        """A flow that never reached the loopback server (the client went
+        away): its socket goes back, its memory unchanged."""
+        if self._jobs.get(job.token) is job:
+            del self._jobs[job.token]
+            self._close([c for c in [self.pool.release(job.held, job.held.tip)] if c is not None])
+
+    # -- answering it ------------------------------------------------------------
+
+    async def _serve(self, token: str, answer: Answer) -> None:
+        job = self._jobs.pop(token, None)
+        if job is None:
+            await answer.json(404, b'{"error":{"message":"No such turn.","type":"invalid_request_error"}}')
+            return
+        try:
+            await relay(job.turn, job.held, self.pool, answer)
+        except Exception:
+            internal_error(self.counters, "answering over an upstream WebSocket")
+            self._close([c for c in [self.pool.remove(job.held)] if c is not None])
+            if answer.started:
+                answer.drop()
+            else:
+                failed = bad_gateway("internal error")
+                await answer.whole(502, list(failed.headers.items()), failed.raw_content or b"")
+
+    async def _over_http(self, flow: http.HTTPFlow, client: http.Request) -> HttpAnswer:
+        """The client's own request over HTTP, sent as mitmproxy sends it."""
+        answer, _ = await self.replays.send(flow, client.copy(), "the upstream WebSocket could not answer it")
+        headers = [(k, v) for k, v in answer.headers.items(multi=True) if k.lower() not in _HOP_BY_HOP]
+        return answer.status_code, headers, answer.raw_content or b""
+
+    def _settle(self, job: _Job, outcome: Outcome) -> None:
+        """What the turn came to, on the flow and in the counters and marks:
+        before the answer's last byte, so that the response hooks (the
+        record) read it."""
+        flow, turn = job.flow, job.turn
+        c = self.counters
+        continued = outcome.previous_response_id is not None
+        if outcome.transport == "websocket":
+            c.websocket_turns += 1
+            if continued:
+                c.continued += 1
+                c.delta_items += outcome.items_sent
+                self.upstreams.mark("accepts_websocket", job.scope)
+            else:
+                c.full_items += outcome.items_sent
+            sent = turn.delta_message if continued and turn.delta_message is not None else turn.full_message
+            c.bytes_saved += job.client_bytes - len(sent)
+        else:
+            c.fallbacks += 1
+            c.full_items += outcome.items_sent
+        c.websocket_retries += bool(outcome.retries)
+        if outcome.refused_upgrade is not None:
+            self._refused(job.scope, job.label, outcome.refused_upgrade)
+        if outcome.unverified:
+            self._refuses(job.scope, job.label, "answered a continuation without echoing its previous_response_id")
+        self.state.flush()
+        action = "http" if outcome.transport == "http" else "continue" if continued else "full"
+        summary = "ws: sent over HTTP" if action == "http" else \
+            _summary(outcome.previous_response_id, outcome.items_sent, turn.items_total)
+        if outcome.retries:
+            summary += f" (after: {'; '.join(outcome.retries)})"
+        if outcome.dropped:
+            summary += "; the socket broke mid-answer: the client's stream was cut"
+        flow.comment, flow.marked = summary, MARKS[action] if not outcome.retries else ":warning:"
+        flow.metadata[BRIDGED] = {"transport": outcome.transport, "action": action,
+                                  "previous_response_id": outcome.previous_response_id,
+                                  "items_total": turn.items_total, "items_sent": outcome.items_sent,
+                                  "retries": list(outcome.retries), "dropped": outcome.dropped}
+        self._debug("%s (%s)", summary, job.label)
+
+    def _refused(self, scope: str, label: str, status: int) -> None:
+        if 400 <= status < 500 and status not in (408, 429):
+            self._refuses(scope, label, f"refused the WebSocket upgrade ({status})")
+        else:
+            self._resting.put(scope, time.monotonic() + REST_S)
+            self._debug("ws: %s refused the upgrade for now (%d); over HTTP for %ds", label, status, REST_S)
+
+    def _refuses(self, scope: str, label: str, why: str) -> None:
+        if self.upstreams.mark("refuses_websocket", scope):
+            logger.info("stateful-responses: %s %s; HTTP from now on", label, why)
+        self.state.flush()
+
+    # -- housekeeping ------------------------------------------------------------
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_EVERY_S)
+            self._close(self.pool.sweep())
+            now = time.monotonic()
+            for scope in [s for s, until in self._resting.items() if until <= now]:
+                del self._resting[scope]
+
+    def _close_all(self) -> None:
+        self._close(self.pool.close_all())
+
+    @staticmethod
+    def _close(connections: list) -> None:
+        for connection in connections:
+            connection.close_soon()
+
+    def _debug(self, msg: str, *args) -> None:
+        if self.settings.debug:
+            logger.info("stateful-responses: " + msg, *args)
+
+
+def _socket_refuses(reading: Reading) -> bool:
+    """A request WebSocket mode does not take: a background one (the API
+    refuses it there), or one already holding a field of the socket's own."""
+    fields = reading.fields
+    return bytes(fields.get("background", b"")) == b"true" or "type" in fields or "generate" in fields
+
+
+def _summary(previous: str | None, sent: int, total: int) -> str:
+    if previous is not None:
+        return f"ws: continued from {previous}: {sent} of {total} items sent"
+    return f"ws: full: {total} items"

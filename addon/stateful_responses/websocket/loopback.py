@@ -1,0 +1,147 @@
+"""The loopback server mitmproxy relays a bridged answer from. Pure: asyncio.
+
+An addon cannot stream an answer it makes itself; mitmproxy streams one it
+reads from a server (FACTS.md). So a bridged flow is pointed at this server
+(127.0.0.1, a port of its own, in mitmproxy's event loop) with an unguessable
+token for a path; the answer is written here as the upstream's events arrive,
+and mitmproxy relays each chunk on. HTTP/1.1 with keep-alive, as mitmproxy
+speaks to servers; an answer cut short drops the connection, as a dropped
+upstream connection would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from http import HTTPStatus
+
+from .messages import JSON_HEADERS, SSE_HEADERS, sse_event
+
+logger = logging.getLogger(__name__)
+
+MAX_HEAD = 64 * 1024  # mitmproxy's request to this server carries a few short headers
+PATH_PREFIX = "/stateful-websocket/"
+
+
+class Answer:
+    """The client's answer to one turn, written as it comes."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+        self.started = False  # its head is written: the client may have bytes of it
+        self.complete = False
+        self.gone = False  # the connection broke: nobody listens any more
+
+    async def event(self, event_type: str | None, text: bytes) -> None:
+        """One upstream event, as the HTTP API streams it."""
+        if not self.started:
+            self._head(200, SSE_HEADERS, "transfer-encoding", "chunked")
+        data = sse_event(event_type, text)
+        await self._send(b"%x\r\n%s\r\n" % (len(data), data))
+
+    async def end_stream(self) -> None:
+        self.complete = True
+        await self._send(b"0\r\n\r\n")
+
+    async def whole(self, status: int, headers: Sequence[tuple[str, str]], body: bytes) -> None:
+        """An answer in one piece: a JSON response, an error, an HTTP retry's answer."""
+        self._head(status, headers, "content-length", str(len(body)))
+        self.complete = True
+        await self._send(body)
+
+    async def json(self, status: int, body: bytes) -> None:
+        await self.whole(status, JSON_HEADERS, body)
+
+    def drop(self) -> None:
+        """End the connection mid-answer: the client sees its stream break."""
+        self.gone = True
+        self._writer.transport.abort()
+
+    def _head(self, status: int, headers: Sequence[tuple[str, str]], length_name: str, length: str) -> None:
+        self.started = True
+        try:
+            reason = HTTPStatus(status).phrase
+        except ValueError:
+            reason = "Unknown"
+        lines = [f"HTTP/1.1 {status} {reason}", *(f"{k}: {v}" for k, v in headers), f"{length_name}: {length}"]
+        self._write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+
+    def _write(self, data: bytes) -> None:
+        if not self.gone:
+            self._writer.write(data)
+
+    async def _send(self, data: bytes) -> None:
+        """Write and wait while mitmproxy reads behind (a slow client): memory
+        stays bounded. A broken connection is noted, never raised: the turn
+        still reads its socket to the end."""
+        if self.gone:
+            return
+        try:
+            self._writer.write(data)
+            await self._writer.drain()
+        except (ConnectionError, RuntimeError):
+            self.gone = True
+
+
+Serve = Callable[[str, Answer], Awaitable[None]]
+
+
+class Loopback:
+    """The server; ``serve(token, answer)`` answers one request."""
+
+    def __init__(self, serve: Serve) -> None:
+        self._serve = serve
+        self._server: asyncio.Server | None = None
+        self._starting = asyncio.Lock()  # the first requests arrive together: one server
+        self.port = 0
+
+    async def start(self) -> None:
+        async with self._starting:
+            if self._server is None:
+                self._server = await asyncio.start_server(self._connection, "127.0.0.1", 0, limit=MAX_HEAD)
+                self.port = self._server.sockets[0].getsockname()[1]
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while (token := await _read_request(reader)) is not None:
+                answer = Answer(writer)
+                await self._serve(token, answer)
+                if not answer.complete or answer.gone:
+                    break
+        except Exception:  # noqa: BLE001 - one broken connection must not end the server
+            logger.warning("stateful-responses: the WebSocket bridge's loopback connection broke", exc_info=False)
+        finally:
+            if not writer.is_closing():
+                writer.close()
+
+
+async def _read_request(reader: asyncio.StreamReader) -> str | None:
+    """The next request's token (its body, empty from mitmproxy, is read and
+    dropped); None when the connection ends or holds no request of ours."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+        return None
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[1].startswith(PATH_PREFIX):
+        return None
+    headers = dict(line.split(":", 1) for line in lines[1:] if ":" in line)
+    headers = {k.strip().lower(): v.strip() for k, v in headers.items()}
+    try:
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            while size := int((await reader.readline()).split(b";")[0], 16):
+                await reader.readexactly(size + 2)
+            while (await reader.readline()) not in (b"\r\n", b""):
+                pass
+        elif length := int(headers.get("content-length") or 0):
+            await reader.readexactly(length)
+    except (ValueError, asyncio.IncompleteReadError, ConnectionError):
+        return None
+    return parts[1][len(PATH_PREFIX):]

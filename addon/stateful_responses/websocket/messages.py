@@ -1,0 +1,215 @@
+"""What crosses an upstream WebSocket, and what the HTTP client gets back. Pure.
+
+A turn goes up as one ``response.create`` message: the client's own body,
+spliced (every other byte of every value is the client's), with ``type`` added
+and ``stream`` removed (a socket always streams); a continuation has its
+``input`` cut to the new items and ``previous_response_id`` added. Events come
+back as one JSON text message each, exactly those of the HTTP stream; a
+streaming client gets each one framed as the API's SSE event as soon as it
+arrives, a JSON client the response object the terminal event carries, and an
+``error`` event the HTTP status and body the API would have answered with.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from ..items import ItemSequence, item_digest, strict_loads
+from ..reading import splice
+from ..sse import TERMINAL_EVENTS
+from ..upstreams import TRANSIENT_STATUSES
+
+# Refusals about the socket's state, not the request: the turn goes again with
+# its full history, and the client never hears of them.
+STATE_ERRORS = frozenset({
+    "previous_response_not_found",  # evicted (a failed turn, a restart), or never on this socket
+    "websocket_connection_limit_reached",  # the socket's 60 minutes are up
+    "conversation_already_has_active_response",  # a turn still runs on it
+})
+SSE_HEADERS = (("content-type", "text/event-stream; charset=utf-8"), ("cache-control", "no-cache"))
+JSON_HEADERS = (("content-type", "application/json"),)
+
+
+def socket_message(body: bytes, fields: dict[str, msgspec.Raw], new_items: list[bytes] | None = None,
+                   previous_response_id: str | None = None) -> bytes:
+    """The ``response.create`` message for a request: its whole input, or
+    (with ``previous_response_id``) only ``new_items``."""
+    changes: dict[str, bytes | None] = {"type": b'"response.create"', "stream": None}
+    if previous_response_id is not None:
+        assert new_items is not None
+        changes["input"] = b"[" + b",".join(new_items) + b"]"
+        changes["previous_response_id"] = json.dumps(previous_response_id).encode()
+    return splice(body, fields, changes)
+
+
+class _Error(msgspec.Struct):
+    code: Any = None
+
+
+_ABSENT = msgspec.Raw(b"")
+
+
+def _given(raw: msgspec.Raw) -> msgspec.Raw | None:
+    """A raw field, or None when absent or null (the API treats those alike)."""
+    return raw if raw and (len(raw) != 4 or bytes(raw) != b"null") else None  # never copies a large span
+
+
+class _Fields(msgspec.Struct):
+    type: Any = None
+    status: Any = None
+    error: msgspec.Raw = _ABSENT
+    code: Any = None
+    response: msgspec.Raw = _ABSENT
+    item: msgspec.Raw = _ABSENT
+    output_index: Any = None
+
+
+@dataclass(frozen=True)
+class Event:
+    """The few fields of a server message the bridge acts on; the message
+    itself goes to the client as it came."""
+
+    type: Any = None
+    status: Any = None  # an error event's HTTP status (openai-python's ResponseWsError)
+    error: msgspec.Raw | None = None  # the API's error object (nested, as on the wire)
+    code: Any = None  # the flat form of an error event
+    response: msgspec.Raw | None = None  # the response object, on the events that carry it
+    item: msgspec.Raw | None = None  # on response.output_item.done
+    output_index: Any = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.type in TERMINAL_EVENTS
+
+    @property
+    def error_code(self) -> Any:
+        if self.error is not None:
+            try:
+                return msgspec.json.decode(self.error, type=_Error).code
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return None
+        return self.code
+
+
+_FIELDS = msgspec.json.Decoder(_Fields)
+UNREADABLE = Event()
+
+
+def read_event(text: bytes | str) -> Event:
+    """A server message's fields; ``UNREADABLE`` (no type) for one that is not a JSON object."""
+    try:
+        f = _FIELDS.decode(text)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return UNREADABLE
+    return Event(f.type, f.status, _given(f.error), f.code, _given(f.response), _given(f.item), f.output_index)
+
+
+def sse_event(event_type: str | None, text: bytes) -> bytes:
+    """One server message as the HTTP API streams it (``event:`` then
+    ``data:``; a message without a type, ``data:`` alone); a message holding
+    line breaks takes one ``data:`` line per line, which an SSE reader joins
+    back with the same breaks."""
+    data = b"\ndata: ".join(text.splitlines()) if b"\n" in text or b"\r" in text else text
+    name = b"event: " + event_type.encode() + b"\n" if event_type else b""
+    return name + b"data: " + data + b"\n\n"
+
+
+def error_answer(event: Event) -> tuple[int, bytes]:
+    """The HTTP status and body for an ``error`` event: its own status (500
+    when it has none, as an error in a stream is the server's) and the API's
+    ``{"error": …}`` body."""
+    status = event.status if isinstance(event.status, int) and 400 <= event.status <= 599 else 500
+    if event.error is not None:
+        return status, b'{"error":' + bytes(event.error) + b"}"
+    return status, json.dumps({"error": {"type": "server_error", "code": event.code, "message": "", "param": None}}
+                              ).encode()
+
+
+def retried_on_a_socket(event: Event, continued: bool) -> bool:
+    """An error event that sends the turn again with its full history: one
+    about the socket's state, or any refusal of a continuation (the change is
+    what may have been refused)."""
+    status = event.status if isinstance(event.status, int) else 500
+    return event.error_code in STATE_ERRORS or (continued and 400 <= status < 500
+                                                 and status not in TRANSIENT_STATUSES)
+
+
+def retried_over_http(event: Event) -> bool:
+    """A refusal of the client's own request on the socket: it goes once more
+    over HTTP, where the client would have sent it (a parameter the socket
+    refuses and HTTP takes, say). Whatever HTTP answers is the client's."""
+    status = event.status if isinstance(event.status, int) else 500
+    return 400 <= status < 500 and status not in TRANSIENT_STATUSES
+
+
+@dataclass(frozen=True)
+class Tip:
+    """A socket's most recent completed response, as the socket's memory holds
+    it: the digest of its whole item sequence (its input, then its output)
+    under the namespace root, its length, and the output items' ids (an
+    ``item_reference`` to one equals that item)."""
+
+    root: bytes
+    digest: bytes
+    length: int
+    response_id: str
+    outputs: tuple[tuple[str, bytes], ...] = ()
+
+    def extended_by(self, root: bytes, digests: list[bytes], references: dict[bytes, str]) -> bool:
+        """Whether a request's items strictly extend this sequence."""
+        if root != self.root or len(digests) <= self.length:
+            return False
+        if references:
+            named = dict(self.outputs)
+            digests = [named.get(references.get(d, ""), d) for d in digests]
+        return ItemSequence(root, digests[: self.length]).digests[-1] == self.digest
+
+
+MAX_REMEMBERED_OUTPUTS = 1024  # output item ids a socket's chain keeps for item references
+
+
+def tip_after(root: bytes, digests: list[bytes], response: msgspec.Raw | None, done_items: dict[int, msgspec.Raw],
+              previous: Tip | None) -> Tip | None:
+    """The socket's memory after a turn whose input was ``digests`` (the
+    request's whole history): its completed response, or None (anything else
+    evicts it, and an answer other parsers could read differently is not
+    built on). ``done_items`` fill an output the terminal event left empty."""
+    if response is None:
+        return None
+    try:
+        answer = strict_loads(bytes(response))
+        if not isinstance(answer, dict) or answer.get("status") != "completed" \
+                or not isinstance(answer.get("id"), str):
+            return None
+        output = answer.get("output")
+        if not output and done_items:
+            output = [strict_loads(bytes(done_items[i])) for i in sorted(done_items)]
+        if not isinstance(output, list) or not all(isinstance(item, dict) for item in output):
+            return None
+        output_digests = [item_digest(item) for item in output]
+    except (ValueError, RecursionError):
+        return None
+    sequence = ItemSequence(root, [*digests, *output_digests])
+    kept = dict(previous.outputs) if previous is not None and previous.root == root else {}
+    kept.update((item["id"], digest) for item, digest in zip(output, output_digests, strict=True)
+                if isinstance(item.get("id"), str))
+    outputs = tuple(kept.items())[-MAX_REMEMBERED_OUTPUTS:]
+    return Tip(root, sequence.digests[-1], len(sequence.items), answer["id"], outputs)
+
+
+class _Echo(msgspec.Struct):
+    previous_response_id: Any = None
+
+
+def echoed_previous(response: msgspec.Raw | None) -> Any:
+    """The ``previous_response_id`` a response object echoes (None when absent or unreadable)."""
+    if response is None:
+        return None
+    try:
+        return msgspec.json.decode(response, type=_Echo).previous_response_id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None

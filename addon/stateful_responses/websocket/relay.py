@@ -1,0 +1,214 @@
+"""One HTTP request answered over an upstream socket. Pure: asyncio, a socket
+and the client's answer (``loopback.Answer``).
+
+Never worse than no bridge. Until a byte reached the client, every failure is
+invisible: a socket that closes or breaks, an error event about the socket's
+state (``STATE_ERRORS``), any refusal of a continuation, or a continuation the
+upstream did not echo, sends the turn again with its full history on a fresh
+socket, and then over HTTP (the client's own request, sent as mitmproxy sends
+it). A refusal of the client's own request goes once over HTTP, whose answer
+is the client's; other error events become the HTTP status and body the API
+gives (a 429 stays a 429, so the SDK retries). Once a streaming client has
+bytes, a broken socket breaks the client's stream, as a dropped HTTP stream
+would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+from websockets.exceptions import ConnectionClosed
+
+from .connect import Refused, Unreachable, UpstreamSocket
+from .loopback import Answer
+from .messages import (
+    Event,
+    Tip,
+    echoed_previous,
+    error_answer,
+    read_event,
+    retried_on_a_socket,
+    retried_over_http,
+    tip_after,
+)
+from .pool import Held, Pool
+
+HttpAnswer = tuple[int, Sequence[tuple[str, str]], bytes]
+
+
+@dataclass
+class Outcome:
+    """How the turn was finally answered, for the flow, the record and the counters."""
+
+    transport: Literal["websocket", "http"] = "websocket"
+    previous_response_id: str | None = None  # what the answer was continued from
+    items_sent: int = 0
+    retries: list[str] = field(default_factory=list)  # why each further attempt was made
+    refused_upgrade: int | None = None  # the status an upgrade was refused with
+    unverified: bool = False  # a continuation came back without its previous_response_id
+    dropped: bool = False  # the socket broke after the client had bytes
+    status: int | None = None  # the HTTP status the client got
+
+
+@dataclass
+class Turn:
+    """A request to answer over a socket: its messages (the whole input, and
+    the continuation when a socket's tip is extended), what the tip check and
+    the next tip need, and how to reach the upstream otherwise."""
+
+    streamed: bool
+    root: bytes
+    digests: list[bytes]  # the request's whole input, item references resolved against the continued tip
+    full_message: bytes
+    items_total: int
+    open_socket: Callable[[], Awaitable[UpstreamSocket]]
+    over_http: Callable[[], Awaitable[HttpAnswer]]
+    settle: Callable[[Outcome], None]  # told how it went just before the answer's last bytes
+    continued: Tip | None = None
+    delta_message: bytes | None = None
+    items_sent: int = 0
+
+
+@dataclass(frozen=True)
+class _Exchange:
+    kind: Literal["answered", "refused", "fault", "unverified", "dropped"]
+    event: Event | None = None
+    response: msgspec.Raw | None = None
+    done_items: dict[int, msgspec.Raw] = field(default_factory=dict)
+
+
+async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
+    """Answer ``turn`` on ``held`` (busy, ours until this returns) into
+    ``answer``. The socket goes back to the pool, with what it now remembers,
+    before the client has the answer's end: the client's next request finds it."""
+    outcome = Outcome()
+    continued = turn.continued
+    worn_out = False  # the socket's own limit was reached: the next attempt takes a fresh one
+    for attempt in (1, 2):
+        if (not held.open or worn_out) and not await _reopen(turn, held, pool, outcome):
+            break
+        previous = continued.response_id if continued is not None else None
+        message = turn.delta_message if continued is not None else turn.full_message
+        assert message is not None
+        exchange = await _exchange(held.connection, message, previous, turn.streamed, answer)
+        if exchange.kind == "answered":
+            outcome.previous_response_id = previous
+            outcome.items_sent = turn.items_sent if continued is not None else turn.items_total
+            outcome.status = 200
+            _release(pool, held, tip_after(turn.root, turn.digests, exchange.response, exchange.done_items, continued))
+            turn.settle(outcome)
+            if turn.streamed:
+                await answer.end_stream()
+            else:
+                assert exchange.response is not None
+                await answer.json(200, bytes(exchange.response))
+            return outcome
+        if exchange.kind == "dropped":
+            outcome.dropped = True
+            held.connection.abort()
+            _release(pool, held, None)
+            turn.settle(outcome)
+            answer.drop()
+            return outcome
+        if exchange.kind == "unverified":
+            outcome.unverified = True
+            outcome.retries.append(f"the answer did not echo previous_response_id {previous}")
+            held.connection.abort()  # its turn still runs: nothing more is read from it
+            break
+        if exchange.kind == "fault":
+            outcome.retries.append("the socket closed before the first event")
+            held.connection.abort()
+            continued = None
+            continue
+        event = exchange.event
+        assert event is not None
+        reason = f"the socket refused it ({event.error_code or event.status})"
+        if attempt == 1 and retried_on_a_socket(event, continued is not None):
+            outcome.retries.append(reason)
+            if event.error_code == "websocket_connection_limit_reached":
+                held.connection.close_soon()
+                worn_out = True
+            continued = None
+            continue
+        if not retried_over_http(event):
+            outcome.status, body = error_answer(event)
+            _release(pool, held, None)
+            turn.settle(outcome)
+            await answer.json(outcome.status, body)
+            return outcome
+        outcome.retries.append(reason)
+        break
+    # Over HTTP, the client's own request; a socket still open goes back to the pool.
+    _release(pool, held, None)
+    outcome.transport = "http"
+    outcome.items_sent = turn.items_total
+    outcome.status, headers, body = await turn.over_http()
+    turn.settle(outcome)
+    await answer.whole(outcome.status, headers, body)
+    return outcome
+
+
+async def _reopen(turn: Turn, held: Held, pool: Pool, outcome: Outcome) -> bool:
+    """A fresh connection for ``held``; False (and why) when there is none."""
+    try:
+        pool.opened(held, await turn.open_socket())
+    except Refused as e:
+        outcome.refused_upgrade = e.status
+        outcome.retries.append(f"the upgrade was refused ({e.status})")
+        return False
+    except Unreachable as e:
+        outcome.retries.append(f"no socket could be opened ({e})")
+        return False
+    return True
+
+
+async def _exchange(socket: UpstreamSocket, message: bytes, previous: str | None, streamed: bool,
+                    answer: Answer) -> _Exchange:
+    """Send one ``response.create`` and relay its events up to the terminal
+    one (the stream's end, or a JSON client's body, is the caller's to write).
+    A continuation's events are held back until one carrying the response
+    shows it echoes ``previous`` (the first, ``response.created``)."""
+    try:
+        await socket.send(message)
+    except (ConnectionClosed, OSError):
+        return _Exchange("fault")
+    verified = previous is None
+    held_back: list[tuple[Any, bytes]] = []
+    done_items: dict[int, msgspec.Raw] = {}
+    try:
+        while True:
+            text = await socket.recv()
+            event = read_event(text)
+            if event.type == "error" and not answer.started:
+                return _Exchange("refused", event)
+            if not verified and event.response is not None:
+                if echoed_previous(event.response) != previous:
+                    return _Exchange("unverified")
+                verified = True
+            if event.type == "response.output_item.done" and event.item is not None \
+                    and isinstance(event.output_index, int):
+                done_items[event.output_index] = event.item
+            if streamed:
+                held_back.append((event.type, text))
+                if verified:
+                    for event_type, held in held_back:
+                        await answer.event(event_type if isinstance(event_type, str) else None, held)
+                    held_back.clear()
+            if event.terminal:
+                if not verified:
+                    return _Exchange("unverified")
+                if not streamed and event.response is None:
+                    return _Exchange("fault")
+                return _Exchange("answered", event, event.response, done_items)
+    except (ConnectionClosed, OSError):
+        return _Exchange("dropped" if answer.started else "fault")
+
+
+def _release(pool: Pool, held: Held, tip: Tip | None) -> None:
+    """The turn is over on ``held``: kept with ``tip``, or closed (in the background)."""
+    connection = pool.release(held, tip)
+    if connection is not None:
+        connection.close_soon()

@@ -1,0 +1,430 @@
+"""The WebSocket bridge's pure core: the messages it sends, the events it
+reads, the socket memory it matches turns against, the pool's bounds, and the
+relay's retries, with a socket that plays back scripted events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import msgspec
+import pytest
+from stateful_responses.items import item_digest
+from stateful_responses.reading import Reader, Reading, Request
+from stateful_responses.sse import SSEParser
+from stateful_responses.websocket.connect import Refused
+from stateful_responses.websocket.loopback import Answer
+from stateful_responses.websocket.messages import (
+    Tip,
+    error_answer,
+    read_event,
+    retried_on_a_socket,
+    retried_over_http,
+    socket_message,
+    sse_event,
+    tip_after,
+)
+from stateful_responses.websocket.pool import ROTATE_AFTER, Pool
+from stateful_responses.websocket.relay import Turn, relay
+from websockets.exceptions import ConnectionClosedError
+
+URL = "https://api.example.test/v1/responses"
+ROOT = b"r" * 32
+
+
+def read(body: dict | bytes) -> tuple[bytes, Reading]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    reading = Reader().read(Request("POST", URL, {"authorization": "Bearer sk"}, data))
+    assert isinstance(reading, Reading)
+    return data, reading
+
+
+# -- messages ---------------------------------------------------------------------------------------
+
+
+def test_a_full_message_is_the_clients_body_with_a_type_and_without_stream():
+    body, reading = read(b'{"model": "m", "stream": true, "store": false,\n "input": [{"role": "user", "content": "hi"}]}')
+    message = socket_message(body, reading.fields)
+    assert json.loads(message) == {"type": "response.create", "model": "m", "store": False,
+                                   "input": [{"role": "user", "content": "hi"}]}
+    assert b'[{"role": "user", "content": "hi"}]' in message  # the client's own bytes
+
+
+def test_a_continuation_carries_only_the_new_items_and_the_previous_id():
+    body, reading = read({"model": "m", "store": False, "instructions": "be brief",
+                          "input": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                    {"role": "user", "content": "c"}]})
+    message = json.loads(socket_message(body, reading.fields, reading.raw_items[2:], "resp_1"))
+    assert message == {"type": "response.create", "model": "m", "store": False, "instructions": "be brief",
+                       "input": [{"role": "user", "content": "c"}], "previous_response_id": "resp_1"}
+
+
+def test_events_are_read_for_what_the_bridge_acts_on():
+    error = read_event(b'{"type": "error", "status": 400, "error": {"type": "invalid_request_error", '
+                       b'"code": "previous_response_not_found", "message": "gone", "param": null}}')
+    assert (error.type, error.status, error.error_code, error.terminal) == ("error", 400, "previous_response_not_found",
+                                                                            True)
+    flat = read_event(b'{"type": "error", "code": "server_error", "message": "boom", "sequence_number": 3}')
+    assert flat.error_code == "server_error" and flat.status is None
+    done = read_event(b'{"type": "response.completed", "response": {"id": "resp_1"}, "sequence_number": 9}')
+    assert done.terminal and bytes(done.response) == b'{"id": "resp_1"}'
+    assert read_event(b'{"type": "response.created", "response": null}').response is None
+    assert read_event(b"not json").type is None and read_event(b"[1]").type is None
+
+
+def test_each_event_is_framed_as_the_apis_sse_and_reads_back_as_it_came():
+    texts = [b'{"type": "response.created", "response": {"id": "r"}}', b'{"type": "x",\n "a": 1}', b'{"b": 2}']
+    framed = b"".join(sse_event(json.loads(t).get("type"), t) for t in texts)
+    assert framed.startswith(b"event: response.created\ndata: {")
+    parser = SSEParser()
+    events = parser.feed(framed[:17]) + parser.feed(framed[17:])
+    assert [(name, json.loads(data)) for name, data in events] == [
+        ("response.created", {"type": "response.created", "response": {"id": "r"}}),
+        ("x", {"type": "x", "a": 1}), ("", {"b": 2})]
+
+
+@pytest.mark.parametrize("event,status,body", [
+    (b'{"type": "error", "status": 429, "error": {"type": "rate_limit_error", "code": "rate_limit_exceeded"}}', 429,
+     {"error": {"type": "rate_limit_error", "code": "rate_limit_exceeded"}}),
+    (b'{"type": "error", "error": {"type": "server_error", "code": "server_error", "message": "x"}}', 500,
+     {"error": {"type": "server_error", "code": "server_error", "message": "x"}}),
+    (b'{"type": "error", "status": 7, "code": "odd"}', 500,
+     {"error": {"type": "server_error", "code": "odd", "message": "", "param": None}}),
+])
+def test_an_error_event_becomes_the_http_status_and_body_of_the_api(event, status, body):
+    answered = error_answer(read_event(event))
+    assert answered[0] == status and json.loads(answered[1]) == body
+
+
+@pytest.mark.parametrize("event,continued,on_a_socket,over_http", [
+    ({"status": 400, "error": {"code": "previous_response_not_found"}}, True, True, True),
+    ({"status": 400, "error": {"code": "websocket_connection_limit_reached"}}, False, True, True),
+    ({"status": 400, "error": {"code": "invalid_value"}}, True, True, True),  # a refused continuation
+    ({"status": 400, "error": {"code": "invalid_value"}}, False, False, True),  # the client's own request
+    ({"status": 429, "error": {"code": "rate_limit_exceeded"}}, True, False, False),
+    ({"status": 500, "error": {"code": "server_error"}}, True, False, False),
+    ({"error": {"code": "server_error"}}, False, False, False),
+])
+def test_which_refusals_are_retried_and_how(event, continued, on_a_socket, over_http):
+    parsed = read_event(json.dumps({"type": "error", **event}))
+    assert retried_on_a_socket(parsed, continued) is on_a_socket
+    assert retried_over_http(parsed) is over_http
+
+
+# -- the socket's memory ----------------------------------------------------------------------------
+
+OUTPUT = [{"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+           "content": [{"type": "output_text", "text": "hello", "annotations": []}]},
+          {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "f", "arguments": '{"a": 1}',
+           "status": "completed"}]
+RESPONSE = {"id": "resp_1", "status": "completed", "output": OUTPUT}
+HISTORY = [{"role": "user", "content": "hi"}]
+
+
+def digests(items) -> list[bytes]:
+    return [item_digest(i) for i in items]
+
+
+def tip_of(response=RESPONSE, history=HISTORY, done=None) -> Tip | None:
+    raw = msgspec.Raw(json.dumps(response).encode())
+    return tip_after(ROOT, digests(history), raw, done or {}, None)
+
+
+def test_a_completed_response_is_remembered_as_its_input_then_its_output():
+    tip = tip_of()
+    assert (tip.length, tip.response_id, dict(tip.outputs).keys()) == (3, "resp_1", {"msg_1", "fc_1"})
+    echo = HISTORY + [{"role": "assistant", "content": "hello"},  # an easy message echoes the typed one
+                      {**OUTPUT[1], "arguments": '{"a":1}', "status": None}]  # re-serialized, a null added
+    assert tip.extended_by(ROOT, digests(echo + [{"type": "function_call_output", "call_id": "call_1",
+                                                  "output": "2"}]), {})
+    assert not tip.extended_by(ROOT, digests(echo), {})  # the same history again: nothing new, no continuation
+    assert not tip.extended_by(b"o" * 32, digests(echo + HISTORY), {})  # another model or credential
+    edited = [{"role": "user", "content": "hi!"}] + echo[1:] + HISTORY
+    assert not tip.extended_by(ROOT, digests(edited), {})
+
+
+def test_an_item_reference_to_an_output_item_equals_that_item():
+    tip = tip_of()
+    sent = HISTORY + [{"type": "item_reference", "id": "msg_1"}, {"type": "item_reference", "id": "fc_1"},
+                      {"role": "user", "content": "more"}]
+    sent_digests = digests(sent)
+    references = {sent_digests[1]: "msg_1", sent_digests[2]: "fc_1"}
+    assert tip.extended_by(ROOT, sent_digests, references)
+    assert not tip.extended_by(ROOT, sent_digests, {})
+
+
+@pytest.mark.parametrize("response", [
+    {**RESPONSE, "status": "failed"}, {**RESPONSE, "status": "incomplete"}, {"status": "completed", "output": []},
+])
+def test_anything_but_a_completed_response_leaves_the_socket_remembering_nothing(response):
+    assert tip_of(response) is None
+
+
+def test_an_answer_other_parsers_read_differently_is_not_built_on():
+    raw = msgspec.Raw(b'{"id": "resp_1", "id": "resp_2", "status": "completed", "output": []}')
+    assert tip_after(ROOT, digests(HISTORY), raw, {}, None) is None
+
+
+def test_an_empty_output_is_filled_from_the_done_events():
+    done = {i: msgspec.Raw(json.dumps(item).encode()) for i, item in enumerate(OUTPUT)}
+    assert tip_of({**RESPONSE, "output": []}, done=done) == tip_of()
+
+
+# -- the pool ---------------------------------------------------------------------------------------
+
+
+class Connection:
+    def __init__(self) -> None:
+        self.open = True
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pool(max_per_scope: int = 3, idle_s: float = 300, max_total: int = 100) -> tuple[Pool, Clock]:
+    clock = Clock()
+    return Pool(clock, max_per_scope, idle_s, max_total), clock
+
+
+def opened(p: Pool, scope: str = "s", tip: Tip | None = None):
+    choice = p.choose(scope, ROOT, digests(HISTORY), {})
+    p.opened(choice.held, Connection())
+    p.release(choice.held, tip)
+    return choice.held
+
+
+def test_a_turn_takes_the_socket_whose_memory_it_extends_else_a_new_one_else_the_least_recently_used():
+    p, clock = pool(max_per_scope=2)
+    tip = tip_of()
+    remembering = opened(p, tip=tip)
+    clock.now += 1
+    other = opened(p)
+    assert len(p) == 2
+    nxt = digests(HISTORY + OUTPUT + [{"role": "user", "content": "next"}])
+    choice = p.choose("s", ROOT, nxt, {})
+    assert (choice.held, choice.continued, choice.fresh) == (remembering, tip, False)
+    # two turns of one branch at once: the second cannot continue on the busy socket, takes the other one
+    second = p.choose("s", ROOT, nxt, {})
+    assert (second.held, second.continued, second.fresh) == (other, None, False)
+    assert p.choose("s", ROOT, nxt, {}) is None  # all busy at the cap: HTTP
+    new_scope = p.choose("t", ROOT, nxt, {})
+    assert new_scope.fresh and len(p) == 3
+
+
+def test_a_full_turn_prefers_a_new_socket_to_taking_another_branchs_memory():
+    p, _ = pool(max_per_scope=2)
+    remembering = opened(p, tip=tip_of())
+    choice = p.choose("s", ROOT, digests([{"role": "user", "content": "another conversation"}]), {})
+    assert choice.fresh and choice.held is not remembering and remembering.tip is not None
+
+
+def test_idle_sockets_close():
+    p, clock = pool(idle_s=300)
+    idle = opened(p)
+    clock.now += 299
+    assert p.sweep() == [] and len(p) == 1
+    clock.now += 1
+    assert p.sweep() == [idle.connection] and len(p) == 0
+
+
+def test_sockets_rotate_before_their_sixty_minutes():
+    p, clock = pool(idle_s=2 * ROTATE_AFTER)
+    busy = p.choose("s", ROOT, digests(HISTORY), {}).held
+    p.opened(busy, Connection())
+    clock.now += ROTATE_AFTER
+    assert p.sweep() == [] and busy.retired  # running a turn: no new one starts on it
+    assert p.release(busy, tip_of()) is busy.connection and len(p) == 0  # closed once its turn is over
+    young = opened(p)
+    clock.now += ROTATE_AFTER - 1
+    assert p.choose("s", ROOT, digests(HISTORY), {}).held is young
+    p.release(young, None)
+    clock.now += 1
+    choice = p.choose("s", ROOT, digests(HISTORY), {})
+    assert choice.fresh and p.take_closing() == [young.connection]
+
+
+def test_a_socket_the_upstream_closed_while_idle_is_never_chosen():
+    p, _ = pool()
+    held = opened(p, tip=tip_of())
+    held.connection.open = False
+    choice = p.choose("s", ROOT, digests(HISTORY + OUTPUT + HISTORY), {})
+    assert choice.fresh and p.take_closing() == [held.connection]
+
+
+def test_the_total_bound_holds_across_scopes():
+    p, _ = pool(max_per_scope=5, max_total=2)
+    opened(p, "a")
+    opened(p, "b")
+    assert p.choose("c", ROOT, digests(HISTORY), {}) is None
+    assert len(p.close_all()) == 2 and len(p) == 0
+
+
+# -- the relay --------------------------------------------------------------------------------------
+
+
+class Writer:
+    """What mitmproxy reads from the loopback server."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.aborted = False
+        self.transport = self
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    async def drain(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class Scripted:
+    """A socket that answers each message with the next script: a list of
+    events (dicts), ending early with ``CLOSE`` to drop the connection."""
+
+    CLOSE = object()
+
+    def __init__(self, *scripts: list) -> None:
+        self.scripts = list(scripts)
+        self.sent: list[dict] = []
+        self.queue: list = []
+        self.open = True
+        self.closed_by_us = False
+
+    async def send(self, message: bytes) -> None:
+        if not self.open:
+            raise ConnectionClosedError(None, None)
+        self.sent.append(json.loads(message))
+        self.queue = list(self.scripts.pop(0))
+
+    async def recv(self) -> bytes:
+        await asyncio.sleep(0)
+        if not self.queue or self.queue[0] is Scripted.CLOSE:
+            self.open = False
+            raise ConnectionClosedError(None, None)
+        return json.dumps(self.queue.pop(0)).encode()
+
+    def close_soon(self) -> None:
+        self.open, self.closed_by_us = False, True
+
+    def abort(self) -> None:
+        self.open = False
+
+
+def answered(response_id="resp_2", previous=None, output=OUTPUT) -> list[dict]:
+    shell = {"id": response_id, "status": "in_progress", "output": [], "previous_response_id": previous}
+    return [{"type": "response.created", "response": shell},
+            {"type": "response.output_item.done", "output_index": 0, "item": output[0]},
+            {"type": "response.completed", "response": {**shell, "status": "completed", "output": output}}]
+
+
+def refusal(status: int, code: str) -> list[dict]:
+    return [{"type": "error", "status": status, "error": {"type": "invalid_request_error", "code": code,
+                                                         "message": "no", "param": None}}]
+
+
+async def run(*sockets: Scripted, streamed: bool = False, continued: bool = True, http=(200, [], b"{}")):
+    """A turn through ``relay``: the first socket is held, later ones open as needed."""
+    p, _ = pool()
+    choice = p.choose("s", ROOT, digests(HISTORY), {})
+    p.opened(choice.held, sockets[0])
+    spare = list(sockets[1:])
+    over_http: list[bool] = []
+    settled = []
+
+    async def open_socket():
+        if not spare:
+            raise Refused(404)
+        return spare.pop(0)
+
+    async def fall_back():
+        over_http.append(True)
+        return http
+
+    history = HISTORY + OUTPUT + [{"role": "user", "content": "next"}]
+    body, reading = read({"model": "m", "input": history, **({"stream": True} if streamed else {})})
+    turn = Turn(streamed, ROOT, digests(history), socket_message(body, reading.fields), len(history), open_socket,
+                fall_back, settled.append)
+    if continued:
+        turn.continued, turn.items_sent = tip_of(), 1
+        turn.delta_message = socket_message(body, reading.fields, reading.raw_items[3:], "resp_1")
+    writer = Writer()
+    outcome = await relay(turn, choice.held, p, Answer(writer))
+    assert settled == [outcome]
+    return outcome, bytes(writer.data), choice.held, bool(over_http)
+
+
+async def test_a_continued_json_turn_answers_the_terminal_response_and_remembers_it():
+    socket = Scripted(answered(previous="resp_1"))
+    outcome, data, held, http = await run(socket)
+    assert socket.sent[0]["previous_response_id"] == "resp_1" and len(socket.sent[0]["input"]) == 1
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK") and b"content-type: application/json" in head
+    assert json.loads(body)["id"] == "resp_2" and not http
+    assert (outcome.transport, outcome.previous_response_id, outcome.items_sent) == ("websocket", "resp_1", 1)
+    assert held.tip.response_id == "resp_2" and held.tip.length == 4 + len(OUTPUT) and not held.busy
+
+
+async def test_a_streamed_turn_relays_every_event_as_sse_chunks():
+    _, data, held, _ = await run(Scripted(answered(previous="resp_1")), streamed=True)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert b"content-type: text/event-stream" in head and b"transfer-encoding: chunked" in head
+    assert body.count(b"event: ") == 3 and body.endswith(b"0\r\n\r\n") and held.tip.response_id == "resp_2"
+
+
+async def test_a_socket_that_closes_before_the_first_event_is_replaced_and_the_turn_sent_whole():
+    broken, fresh = Scripted([Scripted.CLOSE]), Scripted(answered())
+    outcome, data, held, http = await run(broken, fresh)
+    assert "previous_response_id" not in fresh.sent[0] and len(fresh.sent[0]["input"]) == 4
+    assert held.connection is fresh and outcome.previous_response_id is None and outcome.retries and not http
+    assert b"200 OK" in data
+
+
+@pytest.mark.parametrize("code", ["previous_response_not_found", "websocket_connection_limit_reached"])
+async def test_a_state_error_sends_the_turn_whole_and_the_client_never_hears_of_it(code):
+    first = Scripted(refusal(400, code), answered())
+    second = Scripted(answered())
+    outcome, data, _, http = await run(first, second)
+    retried = (first if code == "previous_response_not_found" else second).sent[-1]
+    assert "previous_response_id" not in retried and len(retried["input"]) == 4
+    assert first.closed_by_us is (code == "websocket_connection_limit_reached")
+    assert b"200 OK" in data and not http and outcome.retries
+
+
+async def test_a_refusal_of_the_clients_own_request_goes_over_http_whose_answer_is_the_clients():
+    outcome, data, held, http = await run(Scripted(refusal(400, "unsupported_parameter")), continued=False,
+                                          http=(400, [("content-type", "application/json")], b'{"error": 1}'))
+    assert http and outcome.transport == "http" and data.startswith(b"HTTP/1.1 400") and data.endswith(b'{"error": 1}')
+    assert held.tip is None and held.open  # the socket is fine: back in the pool, remembering nothing
+
+
+@pytest.mark.parametrize("status", [429, 500])
+async def test_a_rate_limit_or_server_error_reaches_the_client_as_that_status(status):
+    outcome, data, _, http = await run(Scripted(refusal(status, "x")))
+    assert data.startswith(f"HTTP/1.1 {status}".encode()) and not http and outcome.status == status
+
+
+async def test_a_continuation_that_does_not_echo_its_previous_id_is_never_relayed():
+    socket = Scripted(answered(previous=None))
+    outcome, data, held, http = await run(socket, streamed=True)
+    assert outcome.unverified and http and outcome.transport == "http" and b"event:" not in data
+    assert not socket.open and held.retired
+
+
+async def test_after_the_client_has_bytes_a_broken_socket_breaks_its_stream():
+    events = answered(previous="resp_1")
+    outcome, data, held, http = await run(Scripted(events[:2] + [Scripted.CLOSE]), streamed=True)
+    assert outcome.dropped and not http and data.count(b"event: ") == 2 and not data.endswith(b"0\r\n\r\n")
+    assert held.retired
+
+
+async def test_a_refused_reopening_goes_over_http_and_says_so():
+    outcome, _, held, http = await run(Scripted([Scripted.CLOSE]))
+    assert http and outcome.refused_upgrade == 404 and held.retired

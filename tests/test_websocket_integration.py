@@ -1,0 +1,490 @@
+"""The WebSocket bridge through a real mitmdump: full-history HTTP clients
+(the openai SDK, openai-agents) continued over a socket the proxy holds to
+the emulator's WebSocket mode, ``store: false`` kept, every fault invisible
+before a byte reached the client, bounds, and a client's own WebSocket passing
+through untouched. Every test compares, request by request, what the model
+saw with what the client meant."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import websockets.sync.client
+from driver import (
+    Conversation,
+    assert_context_preserved,
+    drop_nulls,
+    expand_input,
+    httpx,
+    recording_clients,
+    user_turns,
+    weather_agent,
+)
+from mitmproxy import io as flow_io
+from stateful_responses.view import render
+from stateful_responses.websocket.messages import sse_event
+
+AUTH = {"authorization": "Bearer sk-test-key"}
+SOCKET_FAULTS = ("ws_close", "ws_error")
+
+
+@pytest.fixture
+def bridge(emulator, start_proxy, tmp_path):
+    """mitmdump with the bridge on (debug and the record file too) in front of the emulator."""
+    def start(*extra: str, **options):
+        return start_proxy(emulator.url, "--set", "stateful_debug=true",
+                           "--set", f"stateful_record_file={tmp_path / 'record.jsonl'}", *extra,
+                           upstream_websocket="auto", **options)
+    return start
+
+
+def records(emulator) -> list[dict]:
+    return emulator.model.snapshot_log()
+
+
+def reached_the_client(emulator) -> list[dict]:
+    """The upstream's answers the client got: not the turns a socket fault cut, nor refusals retried."""
+    return [r for r in records(emulator) if r.get("fault") not in SOCKET_FAULTS and r.get("status_code") == 200]
+
+
+def record_lines(tmp_path, count: int) -> list[dict]:
+    """The record file's lines, once there are ``count`` (a thread of its own writes them)."""
+    lines: list[dict] = []
+    for _ in range(100):
+        path = tmp_path / "record.jsonl"
+        lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        if len(lines) >= count:
+            break
+        time.sleep(0.05)
+    return lines
+
+
+def converse(conv: Conversation, turns: int, tag: str = "") -> None:
+    try:
+        for text in user_turns(turns, tag):
+            conv.turn(text)
+    finally:
+        conv.close()
+
+
+# -- full-history clients, store: false, over one socket --------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_the_openai_sdk_over_twelve_tool_turns_is_continued_on_one_socket_with_store_false(
+        emulator, bridge, tmp_path, stream):
+    proxy = bridge()
+    conv = Conversation(proxy.url, stream=stream, options={"store": False})
+    converse(conv, 12)
+    log = records(emulator)
+    assert len(conv.sent) >= 16  # 12 turns and their tool loops
+    assert_context_preserved(conv.sent, log)
+    assert [r["transport"] for r in log] == ["websocket"] * len(log)
+    assert len({r["socket"] for r in log}) == 1
+    assert [r["continued"] for r in log] == [False] + [True] * (len(log) - 1)
+    assert all(r["store"] is False and r["stored"] is False for r in log)  # never forced, nothing retained
+    assert all(r["input_items"] <= 2 for r in log[1:])  # the new items only
+    assert sum(r["body_bytes"] for r in log) < sum(s.size for s in conv.sent) / 3
+    lines = record_lines(tmp_path, len(conv.sent))
+    assert len(lines) == len(conv.sent) and len({line["continuation"]["chainId"] for line in lines}) == 1
+    assert all(line["transport"] == {"client": "http", "upstream": "websocket"} for line in lines)
+    assert all(line["continuation"]["restored"] for line in lines[1:])
+    audit = [entry["reason"] for entry in lines[-1]["audit"]["protocolMapping"]["preserved"]]
+    assert any(reason.startswith("continued over the upstream's WebSocket from resp_") for reason in audit)
+    assert "ws: continued from resp_" in proxy.output() and "forced" not in proxy.output()
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+def test_openai_agents_over_twelve_turns_with_store_false(emulator, bridge, streamed):
+    agents = pytest.importorskip("agents")
+    proxy = bridge()
+    sent: list = []
+    _, http = recording_clients(sent)
+
+    async def run() -> None:
+        agent, client = weather_agent(agents, proxy.url, http)
+        agent = agent.clone(model_settings=agents.ModelSettings(store=False))
+        history: list = []
+        for text in user_turns(12):
+            turn_input = history + [{"role": "user", "content": text}]
+            if streamed:
+                result = agents.Runner.run_streamed(agent, turn_input)
+                async for _ in result.stream_events():
+                    pass
+            else:
+                result = await agents.Runner.run(agent, turn_input)
+            history = result.to_input_list()
+        await client.close()
+
+    asyncio.run(run())
+    log = records(emulator)
+    assert len(sent) >= 16
+    assert_context_preserved(sent, log, reshaped=True)
+    assert all(r["transport"] == "websocket" and r["store"] is False for r in log)
+    assert sum(r["continued"] for r in log[1:]) == len(log) - 1
+
+
+def test_the_client_gets_every_event_as_the_sse_the_http_api_streams(emulator, bridge):
+    proxy = bridge()
+    conv = Conversation(proxy.url, as_dicts=True, options={"store": False})
+    converse(conv, 1)
+    body = {"model": "gpt-test", "stream": True, "store": False, "input": conv.history + [
+        {"role": "user", "content": "and now?"}]}
+    with httpx.Client(trust_env=False, timeout=30) as client, \
+            client.stream("POST", proxy.url + "/v1/responses", json=body, headers=AUTH) as answer:
+        received = b"".join(answer.iter_raw())
+        assert answer.headers["content-type"].startswith("text/event-stream")
+    record = records(emulator)[-1]
+    assert record["continued"] is True and record["transport"] == "websocket"
+    assert received == b"".join(sse_event(json.loads(m)["type"], m.encode()) for m in record["messages"])
+
+
+# -- refused, and every fault ----------------------------------------------------------------------------
+
+
+def test_a_refused_upgrade_is_remembered_per_upstream_and_credential_and_shared_with_replicas(
+        emulator, bridge, tmp_path):
+    emulator.model.control({"websocket": "refuse"})
+    store = f"sqlite:{tmp_path / 'shared.sqlite3'}"
+    first = bridge("--set", f"stateful_store={store}")
+    conv = Conversation(first.url, options={"store": False})
+    converse(conv, 4)
+    log = records(emulator)
+    assert_context_preserved(conv.sent, log)
+    assert all(r["transport"] == "http" for r in log)
+    output = first.stop()
+    assert output.count("refused the WebSocket upgrade (404); HTTP from now on") == 1
+    assert output.count("ws: opening a socket") == 1  # tried once, never again
+    # another proxy on the same store never tries the upgrade for that upstream + credential
+    second = bridge("--set", f"stateful_store={store}")
+    again = Conversation(second.url, options={"store": False})
+    converse(again, 2)
+    assert "ws: opening a socket" not in second.stop()
+    assert all(r["transport"] == "http" for r in records(emulator))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("fault", [
+    {"kind": "ws_close", "when": "continued"},  # the socket drops before the first event
+    {"kind": "ws_close", "code": 1011, "when": "continued"},  # the upstream closes it
+    {"kind": "ws_error", "status": 400, "code": "previous_response_not_found", "when": "continued"},
+    {"kind": "ws_error", "status": 400, "code": "invalid_value", "when": "continued"},  # any refused continuation
+], ids=["dropped", "closed", "not-found", "refused"])
+def test_a_fault_before_the_first_event_is_retried_invisibly_with_full_history(emulator, bridge, stream, fault):
+    proxy = bridge()
+    conv = Conversation(proxy.url, stream=stream, options={"store": False})
+    converse(conv, 3)
+    emulator.model.control({"fail_next": [fault]})
+    conv = Conversation(proxy.url, stream=stream, options={"store": False}, history=conv.history, sent=conv.sent)
+    converse(conv, 2, "after the fault ")
+    faulted = [r for r in records(emulator) if r.get("fault") == fault["kind"]]
+    assert len(faulted) == 1 and faulted[0]["previous_response_id"] is not None
+    retry = records(emulator)[records(emulator).index(faulted[0]) + 1]
+    assert retry["transport"] == "websocket" and retry["previous_response_id"] is None
+    assert_context_preserved(conv.sent, reached_the_client(emulator))
+    assert records(emulator)[-1]["continued"]  # and the socket continues again from the retried answer
+    assert "after: the socket" in proxy.output()
+
+
+def test_a_socket_past_its_lifetime_is_replaced_invisibly(emulator, bridge):
+    emulator.model.control({"ws_lifetime_s": 0.5})
+    proxy = bridge()
+    conv = Conversation(proxy.url, options={"store": False})
+    conv.turn("turn 0: hello")
+    time.sleep(0.6)
+    conv.turn("turn 1: still there?")
+    conv.close()
+    refused = [r for r in records(emulator) if r["status_code"] != 200]
+    assert [r["error"]["code"] for r in refused] == ["websocket_connection_limit_reached"]
+    served = reached_the_client(emulator)
+    assert_context_preserved(conv.sent, served)
+    assert served[0]["socket"] != served[1]["socket"] and served[1]["previous_response_id"] is None
+
+
+def test_a_socket_that_breaks_mid_stream_breaks_the_clients_stream_and_its_retry_recovers(emulator, bridge):
+    proxy = bridge()
+    conv = Conversation(proxy.url, stream=True, options={"store": False})
+    converse(conv, 2)
+    emulator.model.control({"fail_next": [{"kind": "ws_close", "after_events": 3}]})
+    conv = Conversation(proxy.url, stream=True, options={"store": False}, history=conv.history, sent=conv.sent)
+    with pytest.raises((openai.APIError, httpx.HTTPError)):
+        conv.turn("this stream will break")
+    conv.history.pop()
+    conv.sent.pop()
+    converse(conv, 2, "the client tried again ")  # as an SDK retries a dropped stream
+    assert_context_preserved(conv.sent, reached_the_client(emulator))
+    assert "the socket broke mid-answer" in proxy.output()
+
+
+def test_a_socket_that_breaks_mid_answer_of_a_json_client_is_invisible(emulator, bridge):
+    proxy = bridge()
+    conv = Conversation(proxy.url, options={"store": False})
+    converse(conv, 2)
+    emulator.model.control({"fail_next": [{"kind": "ws_close", "after_events": 3}]})
+    conv = Conversation(proxy.url, options={"store": False}, history=conv.history, sent=conv.sent)
+    converse(conv, 2, "no byte reached the client yet ")
+    assert_context_preserved(conv.sent, reached_the_client(emulator))
+
+
+def test_a_failed_turn_evicts_the_sockets_memory_and_the_next_turn_goes_whole(emulator, bridge):
+    proxy = bridge()
+    conv = Conversation(proxy.url, options={"store": False})
+    converse(conv, 2)
+    emulator.model.control({"fail_next": [{"kind": "failed"}]})
+    conv = Conversation(proxy.url, options={"store": False}, history=conv.history, sent=conv.sent)
+    conv.turn("this one fails")  # a failed response, as HTTP would answer it
+    converse(conv, 2, "after the failure ")
+    log = records(emulator)
+    failed = next(r for r in log if r["fault"] == "failed")
+    after = log[log.index(failed) + 1]
+    assert after["transport"] == "websocket" and after["previous_response_id"] is None
+    assert_context_preserved(conv.sent, log)
+    assert log[-1]["continued"]
+
+
+@pytest.mark.parametrize("status,error", [(429, openai.RateLimitError), (500, openai.InternalServerError),
+                                          (503, openai.InternalServerError)])
+def test_an_error_event_with_a_status_reaches_the_client_as_that_status_and_the_sdk_retries_it(
+        emulator, bridge, status, error):
+    proxy = bridge()
+    conv = Conversation(proxy.url, options={"store": False})
+    converse(conv, 2)
+    emulator.model.control({"fail_next": [{"kind": "ws_error", "status": status, "code": "x", "message": "try later"}]})
+    conv = Conversation(proxy.url, options={"store": False}, history=conv.history, sent=conv.sent)
+    with pytest.raises(error) as raised:
+        conv.turn("this one is refused")
+    assert raised.value.status_code == status and raised.value.body["code"] == "x"
+    conv.history.pop()
+    conv.sent.pop()
+    emulator.model.control({"fail_next": [{"kind": "ws_error", "status": status, "code": "x"}]})
+    conv = Conversation(proxy.url, options={"store": False}, history=conv.history, sent=conv.sent, max_retries=2)
+    converse(conv, 1, "the SDK retries ")
+    retried = [sent for n, sent in enumerate(conv.sent) if n == 0 or sent.body != conv.sent[n - 1].body]
+    assert len(retried) == len(conv.sent) - 1  # the SDK sent the refused request once more
+    assert_context_preserved(retried, reached_the_client(emulator))
+
+
+def test_a_refusal_of_the_clients_own_request_on_the_socket_goes_over_http(emulator, bridge):
+    emulator.model.control({"fail_next": [{"kind": "ws_error", "status": 400, "code": "unsupported_parameter"}]})
+    proxy = bridge()
+    conv = Conversation(proxy.url, options={"store": False})
+    converse(conv, 2)
+    log = records(emulator)
+    assert [r["transport"] for r in log[:2]] == ["websocket", "http"]  # refused on the socket, answered over HTTP
+    assert_context_preserved(conv.sent, reached_the_client(emulator))
+    assert "ws: sent over HTTP" in proxy.output()
+
+
+def test_a_continuation_the_upstream_does_not_echo_turns_the_bridge_off_there(emulator, bridge):
+    """An upstream that takes the socket but ignores previous_response_id would lose history."""
+    emulator.model.control({"echo_previous": False})
+    proxy = bridge()
+    conv = Conversation(proxy.url, options={"store": False})
+    converse(conv, 4)
+    log = records(emulator)
+    unverified = [r for r in log if r["transport"] == "websocket" and r["continued"]]
+    assert len(unverified) == 1  # its answer never reached the client
+    served = [r for r in log if r not in unverified]
+    assert_context_preserved(conv.sent, served)
+    assert [r["transport"] for r in served] == ["websocket"] + ["http"] * (len(conv.sent) - 1)
+    assert "without echoing its previous_response_id; HTTP from now on" in proxy.output()
+
+
+# -- concurrency and bounds ---------------------------------------------------------------------------
+
+
+def test_six_concurrent_conversations_each_keep_their_context_on_sockets_of_their_own(emulator, bridge):
+    emulator.model.control({"think_ms": 20})
+    proxy = bridge()
+    conversations = [Conversation(proxy.url, stream=n % 2 == 1, options={"store": False}) for n in range(6)]
+    threads = [threading.Thread(target=converse, args=(conv, 8, f"conversation {n}: "))
+               for n, conv in enumerate(conversations)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    log = records(emulator)
+    assert len(log) == sum(len(conv.sent) for conv in conversations)
+    sockets = set()
+    for n, conv in enumerate(conversations):
+        own = [r for r in log if f"conversation {n}: turn 0" in json.dumps(r["context"][:1])]
+        assert_context_preserved(conv.sent, own)
+        assert all(r["transport"] == "websocket" for r in own) and all(r["continued"] for r in own[1:])
+        sockets |= {r["socket"] for r in own}
+    assert len(sockets) == 6  # each conversation a socket of its own
+
+
+def test_two_turns_on_one_branch_at_once_get_their_own_sockets(emulator, bridge):
+    proxy = bridge()
+    conv = Conversation(proxy.url, as_dicts=True, options={"store": False})
+    converse(conv, 2)
+    emulator.model.control({"think_ms": 300})
+    body = {"model": "gpt-test", "store": False, "input": conv.history + [{"role": "user", "content": "fork"}]}
+    answers: list = []
+
+    def send() -> None:
+        with httpx.Client(trust_env=False, timeout=30) as client:
+            answers.append(client.post(proxy.url + "/v1/responses", json=body, headers=AUTH))
+
+    threads = [threading.Thread(target=send) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert [a.status_code for a in answers] == [200, 200]
+    both = records(emulator)[-2:]
+    assert both[0]["socket"] != both[1]["socket"] and sorted(r["continued"] for r in both) == [False, True]
+    assert drop_nulls(both[0]["context"]) == drop_nulls(both[1]["context"])
+
+
+def test_turns_beyond_the_socket_cap_go_over_http_with_the_clients_store(emulator, bridge):
+    proxy = bridge("--set", "stateful_upstream_websocket_max_sockets=1")
+    first = Conversation(proxy.url, as_dicts=True, options={"store": False})
+    converse(first, 2)  # a continuation over the socket: the upstream serves WebSocket mode
+    emulator.model.control({"think_ms": 500})
+    busy = threading.Thread(target=converse, args=(Conversation(proxy.url, options={"store": False}), 1, "busy "))
+    busy.start()
+    time.sleep(0.2)
+    overflow = Conversation(proxy.url, options={"store": False})
+    converse(overflow, 1, "overflow ")
+    busy.join(30)
+    over_http = [r for r in records(emulator) if r["transport"] == "http"]
+    assert len(over_http) == len(overflow.sent) and all(r["store"] is False for r in over_http)  # never forced
+    assert_context_preserved(overflow.sent, over_http)
+    assert "every socket of" in proxy.output()
+
+
+def test_tenants_and_models_never_share_a_socket_or_its_memory(emulator, bridge):
+    proxy = bridge()
+    tenants = [Conversation(proxy.url, api_key=key, model=model, as_dicts=True, options={"store": False})
+               for key, model in (("sk-tenant-a", "gpt-test"), ("sk-tenant-b", "gpt-test"), ("sk-tenant-a", "gpt-other"))]
+    for n in range(3):
+        for k, conv in enumerate(tenants):
+            conv.turn(f"the same words {n}")  # identical histories: only the credential or the model differs
+    for conv in tenants:
+        conv.close()
+    log = records(emulator)
+    by_tenant = [log[k::3] for k in range(3)]
+    for conv, own in zip(tenants, by_tenant, strict=True):
+        assert_context_preserved(conv.sent, own)
+        assert len({r["socket"] for r in own}) == 1 and all(r["continued"] for r in own[1:])
+    assert len({own[0]["socket"] for own in by_tenant}) == 3
+    assert by_tenant[0][0]["credential"] == by_tenant[2][0]["credential"] != by_tenant[1][0]["credential"]
+
+
+def test_idle_sockets_are_closed(emulator, bridge):
+    proxy = bridge("--set", "stateful_upstream_websocket_idle_s=1")
+    converse(Conversation(proxy.url, options={"store": False}), 1)
+    assert len(emulator._server._sockets) == 1
+    for _ in range(100):  # the sweep runs every 5 s
+        if not emulator._server._sockets:
+            break
+        time.sleep(0.1)
+    assert not emulator._server._sockets
+
+
+# -- where it runs, and what it shows -----------------------------------------------------------------
+
+
+def test_the_flow_shows_the_real_request_and_what_went_over_the_socket(emulator, bridge, tmp_path):
+    flows_file = tmp_path / "flows.mitm"
+    proxy = bridge("-w", str(flows_file))
+    conv = Conversation(proxy.url, as_dicts=True, options={"store": False})
+    converse(conv, 3)
+    proxy.stop()
+    with open(flows_file, "rb") as f:
+        flows = [flow for flow in flow_io.FlowReader(f).stream() if flow.request.path == "/v1/responses"]
+    assert len(flows) == len(conv.sent)
+    for flow, sent in zip(flows, conv.sent, strict=True):
+        assert flow.request.url == emulator.url + "/v1/responses"  # not the loopback server
+        assert json.loads(flow.request.content) == sent.body  # the client's body
+        assert flow.request.headers["authorization"] == AUTH["authorization"]
+    last = flows[-1]
+    assert last.comment.startswith("chain:") and " ws: continued from resp_" in last.comment
+    assert last.comment.endswith(f": 1 of {len(conv.sent[-1].body['input'])} items sent")
+    assert last.metadata["stateful_websocket"]["transport"] == "websocket"
+    assert last.response.headers["content-type"] == "application/json"
+    view = render(last, last.request.content)  # the Stateful Responses view in mitmweb
+    assert "transport: the upstream's WebSocket, continue" in view and "previous_response_id: resp_" in view
+
+
+def test_a_websocket_client_passes_through_untouched_with_one_record_per_turn(emulator, bridge, tmp_path):
+    proxy = bridge()
+    client = openai.OpenAI(api_key="sk-ws", base_url=proxy.url + "/v1", max_retries=0)
+    with client.responses.connect() as conn:
+        previous = None
+        for n in range(3):
+            conn.response.create(model="gpt-test", input=f"socket turn {n}", store=False,
+                                 **({"previous_response_id": previous} if previous else {}))
+            previous = next(e for e in conn if e.type == "response.completed").response.id
+    message = json.dumps({"type": "response.create", "model": "gpt-test", "input": "raw", "store": False})
+    with websockets.sync.client.connect(proxy.url.replace("http", "ws", 1) + "/v1/responses",
+                                        additional_headers={"Authorization": "Bearer sk-ws"}) as ws:
+        ws.send(message)
+        received = []
+        while not received or json.loads(received[-1])["type"] != "response.completed":
+            received.append(ws.recv(timeout=10))
+    log = records(emulator)
+    assert [r["continued"] for r in log] == [False, True, True, False]
+    assert len({r["socket"] for r in log}) == 2  # the client's own sockets, relayed as they are
+    assert log[-1]["body_sha256"] == hashlib.sha256(message.encode()).hexdigest()
+    assert received == log[-1]["messages"]
+    lines = record_lines(tmp_path, 4)
+    assert all(line["transport"] == {"client": "websocket", "upstream": "websocket"} for line in lines)
+    assert [line["turn"] for line in lines] == [0, 1, 2, 0]
+    chains = [line["continuation"]["chainId"] for line in lines]
+    assert chains[0] == chains[1] == chains[2] != chains[3]
+    assert [line["continuation"]["previousTurnId"] is None for line in lines] == [True, False, False, True]
+    assert "ws: " not in proxy.output()  # the bridge never touched it
+
+
+@pytest.mark.parametrize("trust", ["ssl_verify_upstream_trusted_ca", "ssl_insecure"])
+def test_regular_mode_over_tls_honours_mitmproxys_upstream_tls_options(tmp_path, start_proxy, trust):
+    from stateful_responses.emulator import Emulator
+    from test_https_proxy_integration import self_signed
+
+    cert, key = self_signed(tmp_path)
+    with Emulator(certfile=cert, keyfile=key) as emu:
+        option = f"ssl_verify_upstream_trusted_ca={cert}" if trust == "ssl_verify_upstream_trusted_ca" \
+            else "ssl_insecure=true"
+        proxy = start_proxy(emu.url, "--set", option, "--set", "stateful_debug=true", mode="regular",
+                            upstream_websocket="auto")
+        ca = Path(proxy.confdir) / "mitmproxy-ca-cert.pem"
+        sent: list = []
+        client = openai.OpenAI(base_url=emu.url + "/v1", api_key="sk-tls", max_retries=0, http_client=httpx.Client(
+            proxy=proxy.url, verify=str(ca), trust_env=False, timeout=30,
+            event_hooks={"request": [lambda r: sent.append(json.loads(r.read()))]}))
+        history: list = []
+        for n in range(4):
+            history.append({"role": "user", "content": f"tls turn {n}"})
+            history += client.responses.create(model="gpt-test", input=history, store=False).output
+        client.close()
+        log = emu.model.snapshot_log()
+    assert [r["transport"] for r in log] == ["websocket"] * 4 and [r["continued"] for r in log][1:] == [True] * 3
+    assert drop_nulls(log[-1]["context"]) == drop_nulls(expand_input(sent[-1]["input"]))
+
+
+def test_in_upstream_proxy_mode_the_bridge_stays_off(emulator, start_proxy):
+    upstream_proxy = start_proxy(emulator.url, script=False, mode="regular")
+    proxy = start_proxy(emulator.url, "--set", "stateful_debug=true", mode=f"upstream:{upstream_proxy.url}",
+                        upstream_websocket="auto")
+    sent: list = []
+    recording, _ = recording_clients(sent)
+    client = openai.OpenAI(base_url=emulator.url + "/v1", api_key="sk-a", max_retries=0,
+                           http_client=httpx.Client(proxy=proxy.url, trust_env=False, timeout=30,
+                                                    event_hooks=recording.event_hooks))
+    history: list = []
+    for n in range(3):
+        history.append({"role": "user", "content": f"turn {n}"})
+        history += [o.model_dump() for o in client.responses.create(model="gpt-test", input=history).output]
+    client.close()
+    assert [r["transport"] for r in records(emulator)] == ["http"] * 3
+    assert_context_preserved(sent, records(emulator))
+    assert "ws: " not in proxy.output()
