@@ -950,8 +950,65 @@ def conversation_proxy_rows(quick: bool) -> list[str]:
             f"{sizes['chain']:,} for the chain's."]
 
 
+async def loop_held(work) -> tuple[float, float]:
+    """The longest the event loop thread spent on its own CPU between two of
+    its turns while ``work`` ran (time waiting for the store or for a core
+    left out), and the whole of ``work``; seconds."""
+    longest, done = 0.0, False
+
+    async def ticker() -> None:
+        nonlocal longest
+        last = time.thread_time()
+        while not done:
+            await asyncio.sleep(0)
+            now = time.thread_time()
+            longest, last = max(longest, now - last), now
+
+    ticking = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    started = time.perf_counter()
+    await work
+    elapsed, done = time.perf_counter() - started, True
+    await ticking
+    return longest, elapsed
+
+
+async def conversation_loop_rows(quick: bool) -> list[str]:
+    """A cold read of a conversation at the proxy's item bound: how long it
+    holds the event loop, by the way its items came (a response joining adds
+    its input and output in one entry; an items call of one item, one each)."""
+    rounds = 3 if quick else 7
+    rows = ["| a cold read of a 10,000-item conversation, on SQLite | log entries | event loop held at most | "
+            "the whole read |", "|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as work:
+        storage, tenant = await opened_sqlite(f"{work}/state.sqlite3")
+        for how, per_entry in (("5,000 responses joined", 2), ("10,000 items added one at a time", 1)):
+            conversations = Conversations()
+            conversation = conversations.create(tenant, [], b"{}")
+            for n in range(10_000 // per_entry):
+                if per_entry == 2:
+                    conversations.join(tenant, conversation, listed([user_item(n, 300)]), answer(n, 400)["output"])
+                else:
+                    conversations.add(tenant, conversation, listed([user_item(n, 300)]))
+                if n % 500 == 499:
+                    await apply_writes(storage, conversations.take_writes())
+            await apply_writes(storage, conversations.take_writes())
+            held, whole = [], []
+            for _ in range(rounds):
+                longest, elapsed = await loop_held(Conversations().find(tenant, conversation.id, storage.get))
+                held.append(longest)
+                whole.append(elapsed)
+            rows.append(f"| {how} | {10_000 // per_entry + 1:,} | {statistics.median(held) * 1000:.1f} ms "
+                        f"(worst {max(held) * 1000:.1f}) | {statistics.median(whole) * 1000:.0f} ms |")
+        await storage.close()
+    return rows + ["", f"Medians of {rounds} reads by a proxy that has seen nothing. Held: the event loop "
+                   "thread's own CPU time between two of its turns (a ticker task counts them), so neither the "
+                   "store's thread nor another process counts (a garbage collection does)."]
+
+
 def bench_conversation(quick: bool) -> list[str]:
-    return asyncio.run(conversation_core_rows(quick)) + [""] + conversation_proxy_rows(quick)
+    return asyncio.run(conversation_core_rows(quick)) + [""] + asyncio.run(conversation_loop_rows(quick)) + [""] \
+        + conversation_proxy_rows(quick)
 
 # -- the WebSocket bridge ----------------------------------
 

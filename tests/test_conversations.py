@@ -266,3 +266,40 @@ async def test_a_long_log_is_read_a_part_at_a_time(storage, monkeypatch):
     conversation = await Conversations().find(ALICE, conversation_id, get)
     assert [json.loads(item.raw)["content"][0]["text"] for item in conversation.items] == [str(n) for n in range(12)]
     assert asked[0] == 1 + 2 and max(asked[1:]) == 4 and sum(asked[1:]) == 12 - 2
+
+
+async def test_a_long_log_is_replayed_a_part_at_a_time_letting_other_flows_run_between(storage, monkeypatch):
+    """The memory store answers without yielding: every turn another task
+    gets during the read is one the replay gave it."""
+    monkeypatch.setattr(module, "OPEN_AT_ONCE", 4)
+    writer = Replica(storage)
+    conversation_id = await created(writer, ["0"])
+    for n in range(1, 12):
+        await writer.call("add_items", conversation_id=conversation_id,
+                          body={"items": [{"role": "user", "content": str(n)}]})
+    turns, done = [], False
+
+    async def other_flow() -> None:
+        while not done:
+            turns.append(len(turns))
+            await asyncio.sleep(0)
+
+    running = asyncio.create_task(other_flow())
+    conversation = await Replica(storage).find(conversation_id)
+    done = True
+    await running
+    assert [json.loads(item.raw)["content"][0]["text"] for item in conversation.items] == [str(n) for n in range(12)]
+    assert len(turns) >= 12 // 4  # one turn at least before each part
+
+
+async def test_a_removed_item_id_added_again_stays_and_removals_replay_in_the_stores_order(storage):
+    replica = Replica(storage)
+    conversation_id = await created(replica, ["a", "b", "c"])
+    conversation = await replica.find(conversation_id)
+    first, second, third = conversation.items
+    replica.conversations.remove(ALICE, conversation, second.id)
+    replica.conversations.add(ALICE, conversation, [second.raw])  # the same item, id and all, again
+    replica.conversations.remove(ALICE, conversation, first.id)
+    await replica.flush()
+    for reader in (replica, Replica(storage)):  # read on from memory, and cold
+        assert [item.id for item in (await reader.find(conversation_id)).items] == [third.id, second.id]

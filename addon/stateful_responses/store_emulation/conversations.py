@@ -24,11 +24,12 @@ outbox, and every answer is a status and a JSON body.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgspec
@@ -49,6 +50,7 @@ MAX_ITEMS = 10_000  # items one conversation holds at most (the proxy's bound, n
 MAX_ENTRIES = 20_000  # entries of one conversation's log at most: its appends, removals and metadata changes
 PREFETCH = 32  # log entries asked for with the length, on the chance they are there (one round trip)
 READ_AT_ONCE = 512  # log entries per read: each read of a long log stays within the store's read timeout
+OPEN_AT_ONCE = 64  # log entries opened and replayed between two turns of the event loop (about 2 ms)
 CACHE_BYTES = 64 * 1024 * 1024  # conversations kept in memory, their items' bytes at most
 ID_BYTES = 24  # random bytes in an id the proxy mints: as long as OpenAI's, and never the upstream's
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
@@ -209,31 +211,63 @@ class Conversation:
         return len(self.items) >= MAX_ITEMS or self.length >= MAX_ENTRIES
 
 
-def _replayed(known: Conversation | None, conversation_id: str, key: bytes, events: list[Event],
-              length: int) -> Conversation | None:
-    """The conversation after ``events`` (those after ``known``, or all of
-    them); None when the log is not a conversation's: it must open with its
-    creation, of this very id."""
-    if known is not None and not events:
-        return known
-    if known is None:
-        if not events or not isinstance(events[0], Created) or events[0].conversation_id != conversation_id:
+class _Replay:
+    """A conversation rebuilt from its log, event after event (those after
+    ``known``, or all of them), so that a long log is replayed a part at a
+    time; a removal costs the items it removes, not the whole list."""
+
+    def __init__(self, known: Conversation | None, conversation_id: str, key: bytes) -> None:
+        self.known = known
+        self.conversation_id = conversation_id
+        self.key = key
+        self.created_at = known.created_at if known is not None else None
+        self.metadata = known.metadata if known is not None else b""
+        self.items: list[Item] = list(known.items) if known is not None else []
+        self.removed: set[int] = set()  # places in ``items``
+        self._places: dict[str, list[int]] | None = None  # item id -> its places, from the first removal on
+        self.applied = False
+
+    def apply(self, events: Iterable[Event]) -> bool:
+        """False when the log is not a conversation's: it must open with its
+        creation, of this very id, and never be created again."""
+        for event in events:
+            self.applied = True
+            if self.created_at is None:
+                if not isinstance(event, Created) or event.conversation_id != self.conversation_id:
+                    return False
+                self.created_at, self.metadata = event.created_at, event.metadata
+                self._add(event.items)
+            elif isinstance(event, Added):
+                self._add(event.items)
+            elif isinstance(event, Removed):
+                if self._places is None:
+                    self._places = {}
+                    for place, item in enumerate(self.items):
+                        if place not in self.removed:
+                            self._places.setdefault(item.id, []).append(place)
+                self.removed.update(self._places.pop(event.item_id, ()))
+            elif isinstance(event, Retagged):
+                self.metadata = event.metadata
+            else:
+                return False  # created twice: not a log this proxy wrote
+        return True
+
+    def _add(self, raws: list[bytes]) -> None:
+        start = len(self.items)
+        self.items += [Item.of(raw) for raw in raws]
+        if self._places is not None:
+            for place in range(start, len(self.items)):
+                self._places.setdefault(self.items[place].id, []).append(place)
+
+    def conversation(self, length: int) -> Conversation | None:
+        if self.known is not None and not self.applied:
+            return self.known
+        if self.created_at is None:
             return None
-        first = events[0]
-        known = Conversation(conversation_id, key, first.created_at, first.metadata, (), 0, 0)
-        events = [Added(first.items), *events[1:]]
-    items, metadata = list(known.items), known.metadata
-    for event in events:
-        if isinstance(event, Added):
-            items += [Item.of(raw) for raw in event.items]
-        elif isinstance(event, Removed):
-            items = [item for item in items if item.id != event.item_id]
-        elif isinstance(event, Retagged):
-            metadata = event.metadata
-        else:
-            return None  # created twice: not a log this proxy wrote
-    return replace(known, metadata=metadata, items=tuple(items), length=length,
-                   size=sum(len(item.raw) for item in items))
+        items = tuple(item for place, item in enumerate(self.items) if place not in self.removed) \
+            if self.removed else tuple(self.items)
+        return Conversation(self.conversation_id, self.key, self.created_at, self.metadata, items, length,
+                            sum(len(item.raw) for item in items))
 
 
 class _Recent:
@@ -351,20 +385,28 @@ class Conversations:
             return self._gone(keys)
         if known is None or known.key != key or length < known.length:
             known, start = None, 0
-        missing = [entry for n in range(start, length) if (entry := log_entry(key, n)) not in found]
-        for at in range(0, len(missing), READ_AT_ONCE):
-            found.update(await get(CONVERSATIONS, missing[at:at + READ_AT_ONCE]))
-        events: list[Event] = []
-        for n in range(start, length):
-            sealed = found.get(log_entry(key, n))
-            plain = tenant.open(sealed, key) if sealed is not None else None
-            if plain is None:
-                return self._gone(keys)
-            try:
-                events.append(_EVENT.decode(plain))
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                return self._gone(keys)
-        conversation = _replayed(known, conversation_id, key, events, length)
+        replay = _Replay(known, conversation_id, key)
+        for at in range(start, length, READ_AT_ONCE):
+            part = [log_entry(key, n) for n in range(at, min(at + READ_AT_ONCE, length))]
+            missing = [entry for entry in part if entry not in found]
+            if missing:
+                found.update(await get(CONVERSATIONS, missing))
+            for first in range(0, len(part), OPEN_AT_ONCE):
+                if length - start > OPEN_AT_ONCE:
+                    await asyncio.sleep(0)  # a long log: other flows go on between its parts
+                events: list[Event] = []
+                for entry in part[first:first + OPEN_AT_ONCE]:
+                    sealed = found.pop(entry, None)
+                    plain = tenant.open(sealed, key) if sealed is not None else None
+                    if plain is None:
+                        return self._gone(keys)
+                    try:
+                        events.append(_EVENT.decode(plain))
+                    except (msgspec.DecodeError, msgspec.ValidationError):
+                        return self._gone(keys)
+                if not replay.apply(events):
+                    return self._gone(keys)
+        conversation = replay.conversation(length)
         if conversation is None:
             return self._gone(keys)
         self._recent.put(conversation)
