@@ -8,7 +8,7 @@ import asyncio
 import json
 
 import pytest
-from stateful_responses.settings import Config
+from stateful_responses.settings import Config, Settings
 from stateful_responses.state.outbox import apply_writes
 from stateful_responses.state.storage import log_entry
 from stateful_responses.state.storage.memory import MemoryStorage
@@ -37,7 +37,7 @@ class Replica:
         conversation = await self.find(conversation_id, tenant) if conversation_id else None
         status, answer = await self.conversations.answer(
             tenant, Call(endpoint, conversation_id, item_id, json.dumps(body).encode() if body is not None else b"",
-                         query), conversation, resolve)
+                         query), conversation, resolve, self.storage.get)
         await self.flush()
         return status, json.loads(answer)
 
@@ -129,7 +129,8 @@ async def test_a_deleted_conversation_is_gone_for_a_replica_that_still_remembers
     assert (await left.call("delete", conversation_id=conversation_id))[1] == {
         "id": conversation_id, "object": "conversation.deleted", "deleted": True}
     assert await right.find(conversation_id) is None
-    assert await storage.scan(CONVERSATIONS) == {}
+    ledger = ALICE.ledger_key()  # the tenant's list of what it made (its log's key, sealed) is all that stays
+    assert set(await storage.scan(CONVERSATIONS)) == {ledger, log_entry(ledger, 0)}
     assert (await right.call("list_items", conversation_id=conversation_id))[0] == 404
 
 
@@ -231,7 +232,8 @@ async def test_every_use_keeps_the_whole_conversation_the_ttl_from_then(storage)
     assert not [w for w in replica.conversations.take_writes() if w.touch]  # just written: nothing due yet
     now[0] += config.ttl / 10 + 1  # past the slack: the next use renews everything
     conversation = await replica.find(conversation_id)
-    await replica.conversations.answer(ALICE, Call("retrieve", conversation_id), conversation, nothing_referenced)
+    await replica.conversations.answer(ALICE, Call("retrieve", conversation_id), conversation, nothing_referenced,
+                                       storage.get)
     touched = {w.key for w in replica.conversations.take_writes() if w.touch}
     key = ALICE.conversation_key(conversation_id)
     assert touched == {key, log_entry(key, 0), log_entry(key, 1)}
@@ -303,3 +305,73 @@ async def test_a_removed_item_id_added_again_stays_and_removals_replay_in_the_st
     await replica.flush()
     for reader in (replica, Replica(storage)):  # read on from memory, and cold
         assert [item.id for item in (await reader.find(conversation_id)).items] == [third.id, second.id]
+
+
+def limited(conversations: int = 10_000) -> Config:
+    return Config(Settings(conversations_per_credential=conversations))
+
+
+async def test_a_credential_at_its_limit_is_refused_as_the_api_refuses_and_others_go_on(storage):
+    replica = Replica(storage, limited(conversations=3))
+    kept = [await created(replica, [f"mine {n}"]) for n in range(3)]
+    status, error = await replica.call("create", body={"items": [{"role": "user", "content": "one more"}]})
+    assert (status, error) == (400, {"error": {
+        "message": "This credential's conversations are at this proxy's limit (3 conversations, 400000 records). "
+                   "Delete conversations you no longer need.", "type": "invalid_request_error", "param": None,
+        "code": "conversation_limit_exceeded"}})
+    assert (await replica.call("create", MALLORY, body={}))[0] == 200  # another credential's share is its own
+    fresh = Replica(storage, limited(conversations=3))  # another replica counts from the store
+    assert (await fresh.call("create", body={}))[0] == 400
+    await replica.call("delete", conversation_id=kept[0])
+    assert (await replica.call("create", body={}))[0] == 200  # a deleted conversation frees its place at once
+    for conversation_id in kept[1:]:
+        assert len((await Replica(storage).find(conversation_id)).items) == 1
+
+
+async def test_a_credential_flooding_the_store_never_evicts_another_credentials_conversation(monkeypatch):
+    """The store keeps 400 records of conversations: Mallory's creates and
+    items would push out the soonest to expire, Alice's first; a tenth of
+    them is all Mallory gets."""
+    monkeypatch.setattr(Conversations, "tables", {CONVERSATIONS: 400})
+    storage = MemoryStorage({CONVERSATIONS: 400})
+    alice, mallory = Replica(storage), Replica(storage)
+    conversation_id = await created(alice, ["alice's"])
+    for n in range(30):  # 35 records: within her share
+        status, _ = await alice.call("add_items", conversation_id=conversation_id,
+                                     body={"items": [{"role": "user", "content": f"alice {n}"}]})
+        assert status == 200
+    made, refused = [], 0
+    for n in range(200):
+        status, answer = await mallory.call("create", MALLORY, body={"items": [{"role": "user", "content": "x"}]})
+        if status == 200:
+            made.append(answer["id"])
+        else:
+            refused += 1
+            assert answer["error"]["code"] == "conversation_limit_exceeded"
+    for n in range(200):
+        status, answer = await mallory.call("add_items", MALLORY, made[0],
+                                            body={"items": [{"role": "user", "content": "y"}]})
+        refused += status == 400
+    assert 0 < len(made) <= 40 and refused >= 200
+    assert len((await Replica(storage).find(conversation_id)).items) == 31  # whole
+    assert len(await storage.scan(CONVERSATIONS)) <= 400
+
+
+async def test_the_share_is_counted_from_the_store_and_a_ledger_of_the_gone_is_rewritten(storage, monkeypatch):
+    monkeypatch.setattr(module, "PREFETCH", 2)
+    replica = Replica(storage)
+    made = [await created(replica, [str(n)]) for n in range(8)]
+    for conversation_id in made[:6]:
+        await replica.call("delete", conversation_id=conversation_id)
+    await replica.call("add_items", conversation_id=made[7], body={"items": [{"role": "user", "content": "more"}]})
+    counter = Conversations()
+    await counter.admit(ALICE, storage.get)
+    tally = counter._tallies[ALICE.ledger_key()]
+    # two living conversations: 1 and 2 entries, a length record each; the ledger rewritten: 2 entries and a length
+    assert (tally.conversations, tally.records) == (2, (1 + 1) + (2 + 1) + 2 + 1 + 1)  # this write reserved too
+    await apply_writes(storage, counter.take_writes())
+    ledger = ALICE.ledger_key()
+    stored = await storage.get(CONVERSATIONS, [ledger, *(log_entry(ledger, n) for n in range(8))])
+    assert set(stored) == {ledger, log_entry(ledger, 0), log_entry(ledger, 1)}
+    assert {ALICE.open(stored[log_entry(ledger, n)], ledger) for n in range(2)} == \
+        {ALICE.conversation_key(made[6]), ALICE.conversation_key(made[7])}

@@ -155,6 +155,30 @@ def test_the_apis_errors_and_nothing_of_them_upstream(emulator, start_proxy, mod
     assert texts == ["secret plan"]  # nothing added by any refused request
 
 
+def test_a_credential_at_its_limit_is_refused_as_the_api_refuses_and_another_credential_goes_on(emulator,
+                                                                                                start_proxy):
+    emulator.model.control({"conversations": "absent"})
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always",
+                        "--set", "stateful_conversations_per_credential=2")
+    alice, mallory = sdk(proxy), sdk(proxy, key="sk-mallory")
+    kept = alice.conversations.create(items=[{"role": "user", "content": "hello"}])
+    made = [mallory.conversations.create() for _ in range(2)]
+    refused = call(proxy, "POST", "/v1/conversations", {}, key="sk-mallory")
+    assert (refused.status_code, refused.json()) == (400, {"error": {
+        "message": "This credential's conversations are at this proxy's limit (2 conversations, 400000 records). "
+                   "Delete conversations you no longer need.", "type": "invalid_request_error", "param": None,
+        "code": "conversation_limit_exceeded"}})
+    with pytest.raises(openai.BadRequestError):
+        mallory.conversations.create()
+    respond(alice, False, model="gpt-test", input="turn 0", conversation=kept.id)  # Alice's share is her own
+    assert [item["role"] for item in listed(alice, kept.id)] == ["user", "user", "assistant"]
+    mallory.conversations.delete(made[0].id)
+    assert mallory.conversations.create().id.startswith("conv_")  # a deleted conversation frees its place
+    assert [record["conversation"] for record in log(emulator)] == [None]  # nothing of it went upstream
+    alice.close()
+    mallory.close()
+
+
 def test_two_responses_at_once_both_join_in_completion_order(emulator, start_proxy):
     emulator.model.control({"conversations": "absent", "think_ms": 400})
     proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always")

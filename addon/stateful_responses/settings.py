@@ -135,6 +135,10 @@ OPTIONS: dict[str, tuple[Any, Any, Any, str]] = {
         "upstream cannot continue it), always (the proxy is the store). Keeps conversation content in the store.",
     ),
     "stateful_max_depth": (parse_positive_int, int, 1000, "Deepest previous_response_id chain expanded."),
+    "stateful_conversations_per_credential": (
+        parse_positive_int, int, 10_000,
+        "Conversations store emulation keeps at once for one credential (their records: a tenth of the store's).",
+    ),
     "stateful_record_file": (
         parse_text, str, "",
         "Append one JSON line per LLM API call (its continuation record and mapping audit) to this file.",
@@ -175,6 +179,7 @@ class Settings:
     ttl_days: int = 30
     emulate: str = "off"
     max_depth: int = 1000
+    conversations_per_credential: int = 10_000
     record_file: str = ""
     store_max_mb: int = 512
     seal_key_file: str = ""

@@ -737,7 +737,8 @@ class ConversationEmulation:
         what it changed could not be made durable (the store is down): the
         client must never hold an id or an answer the store does not."""
         resolve = lambda ids: self.history.referenced(record.tenant, ids, self.state.get_strict)  # noqa: E731
-        status, body = await self.conversations.answer(record.tenant, call, record.conversation, resolve)
+        status, body = await self.conversations.answer(record.tenant, call, record.conversation, resolve,
+                                                       self.state.get_strict)
         durable = await self.state.written(self.state.flush(), ANSWER_WAIT)
         if status == 200 and call.endpoint in CHANGES and not durable:
             self.conversations.clear()  # what memory holds of the change was never stored
@@ -795,6 +796,11 @@ class ConversationEmulation:
             return
         if conversation.full:
             self._refuse(flow, too_large(conversation.id, "conversation"))
+            return
+        try:
+            await self.conversations.admit(record.tenant, self.state.get_strict, param="conversation")
+        except ApiError as e:
+            self._refuse(flow, e)
             return
         raw_input = reading.raw_items if reading.raw_items is not None \
             else [string_input_item(bytes(reading.fields["input"]))]

@@ -18,6 +18,12 @@ Every entry is sealed (``turns.Tenant``) with the log's key bound in: an entry
 copied into another conversation or tenant does not open. In clear: the log's
 key (a keyed hash), its length, sizes and expiry times.
 
+Each credential has a share of the store (``Conversations.admit``): so many
+conversations, and a tenth of the records the store keeps of them, counted
+from its ledger (one more log: the key of each conversation it made, sealed).
+The store's bounds evict the records that expire soonest, whosever they are;
+the share keeps any one credential from making them someone else's.
+
 Pure: reads go through the ``get`` the glue passes in, writes leave through an
 outbox, and every answer is a status and a JSON body.
 """
@@ -52,6 +58,9 @@ PREFETCH = 32  # log entries asked for with the length, on the chance they are t
 READ_AT_ONCE = 512  # log entries per read: each read of a long log stays within the store's read timeout
 OPEN_AT_ONCE = 64  # log entries opened and replayed between two turns of the event loop (about 2 ms)
 CACHE_BYTES = 64 * 1024 * 1024  # conversations kept in memory, their items' bytes at most
+TENANT_SHARE = 10  # one credential's conversations hold at most this fraction (1/N) of the records the store keeps
+RECOUNT_AFTER = 60.0  # seconds a replica counts a credential's share on from its own writes before reading it again
+RECOUNT_WHEN_FULL = 10.0  # and at a credential's limit (what another replica deleted frees its place)
 ID_BYTES = 24  # random bytes in an id the proxy mints: as long as OpenAI's, and never the upstream's
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
@@ -97,6 +106,14 @@ def too_large(conversation_id: str, param: str) -> ApiError:
     return ApiError(400, f"Conversation '{conversation_id}' is full: this proxy keeps at most {MAX_ITEMS} items "
                          f"and {MAX_ENTRIES} changes per conversation. Start a new conversation.", param=param,
                     code="conversation_too_large")
+
+
+def share_exhausted(conversations: int, records: int, param: str | None) -> ApiError:
+    """The credential keeps as much as the proxy keeps for one: more would
+    crowd out other credentials' conversations."""
+    return ApiError(400, f"This credential's conversations are at this proxy's limit ({conversations} conversations, "
+                         f"{records} records). Delete conversations you no longer need.", param,
+                    "conversation_limit_exceeded")
 
 
 def _unparsable() -> ApiError:
@@ -342,6 +359,17 @@ def named(value: Any) -> str:
 
 
 @dataclass
+class _Tally:
+    """One credential's share: its living conversations and their records
+    (log entries and lengths, and its ledger's), as last counted from the
+    store, with what this replica wrote since."""
+
+    conversations: int
+    records: int
+    counted_at: float
+
+
+@dataclass
 class Conversations:
     """Every tenant's conversations: read fresh from the store whenever one is
     used (another replica may have appended to it, or deleted it), memory
@@ -350,6 +378,7 @@ class Conversations:
     config: Config = field(default_factory=Config)
     _recent: _Recent = field(default_factory=lambda: _Recent(CACHE_BYTES), repr=False)
     _renewed: Bounded = field(default_factory=lambda: Bounded(4096), repr=False)  # log key -> kept until
+    _tallies: Bounded = field(default_factory=lambda: Bounded(4096), repr=False)  # ledger key -> _Tally
     _outbox: Outbox = field(default_factory=Outbox, repr=False)
 
     tables = {CONVERSATIONS: 4_000_000}
@@ -366,7 +395,21 @@ class Conversations:
     def clear(self) -> None:
         self._recent.clear()
         self._renewed.clear()
+        self._tallies.clear()
         self._outbox.clear()
+
+    @property
+    def conversations_per_tenant(self) -> int:
+        return self.config.settings.conversations_per_credential
+
+    @property
+    def records_per_tenant(self) -> int:
+        """A share of the records the store keeps of conversations (a tenth of
+        them with ``memory``, as the state store bounds its tables)."""
+        bound = self.tables[CONVERSATIONS]
+        if self.config.settings.store.strip() == "memory":
+            bound = min(bound, max(bound // 10, 10_000))
+        return bound // TENANT_SHARE
 
     # -- reading -----------------------------------------------------------------
 
@@ -426,6 +469,8 @@ class Conversations:
         conversation = Conversation(conversation_id, key, int(now), metadata, tuple(Item.of(raw) for raw in items),
                                     1, sum(map(len, items)))
         self._write(tenant, key, Created(conversation_id, int(now), metadata, items), "start")
+        ledger = tenant.ledger_key()
+        self._outbox.append(Write(CONVERSATIONS, ledger, tenant.seal(key, ledger), self.keep, log="start"))
         self._recent.put(conversation)
         self._renewed.put(key, now + self.keep)
         return conversation
@@ -440,9 +485,14 @@ class Conversations:
     def retag(self, tenant: Tenant, conversation: Conversation, metadata: bytes) -> None:
         self._write(tenant, conversation.key, Retagged(metadata), "append")
 
-    def delete(self, conversation: Conversation) -> None:
+    def delete(self, tenant: Tenant, conversation: Conversation) -> None:
+        """Its log goes whole; its ledger entry stays until the ledger is next rewritten."""
         self._outbox.append(Write(CONVERSATIONS, conversation.key, None, log="drop"))
         self._gone([conversation.key])
+        tally = self._tallies.get(tenant.ledger_key())
+        if tally is not None:
+            tally.conversations -= 1
+            tally.records -= conversation.length + 1
 
     def _write(self, tenant: Tenant, key: bytes, event: Event, log: str) -> None:
         self._outbox.append(Write(CONVERSATIONS, key, tenant.seal(_PACK(event), key), self.keep, log=log))  # type: ignore[arg-type]
@@ -457,55 +507,128 @@ class Conversations:
             self._outbox.append(Write(CONVERSATIONS, key, None, self.keep, touch=True))
         self._renewed.put(conversation.key, now + self.keep)
 
+    # -- each credential's share -------------------------------------------------------------
+
+    async def admit(self, tenant: Tenant, get: GetRecords, *, conversations: int = 0, records: int = 1,
+                    param: str | None = None) -> None:
+        """Refuse (``ApiError``) what would take the credential past its share
+        of the store, so that no credential, whatever it sends, crowds out
+        another's conversations (the store's bounds evict the records that
+        expire soonest, whosever they are). The count is the store's, taken
+        again once a minute, with this replica's writes since: replicas
+        writing for one credential at once may each let that much past it."""
+        ledger = tenant.ledger_key()
+        now = self.config.clock()
+        tally = self._tallies.hit(ledger)
+        if tally is None or now - tally.counted_at >= RECOUNT_AFTER or (
+                self._over(tally, conversations, records) and now - tally.counted_at >= RECOUNT_WHEN_FULL):
+            tally = await self._count(tenant, ledger, get)
+            self._tallies.put(ledger, tally)
+        if self._over(tally, conversations, records):
+            raise share_exhausted(self.conversations_per_tenant, self.records_per_tenant, param)
+        tally.conversations += conversations
+        tally.records += records
+
+    def _over(self, tally: _Tally, conversations: int, records: int) -> bool:
+        return (conversations > 0 and tally.conversations + conversations > self.conversations_per_tenant) or \
+            tally.records + records > self.records_per_tenant
+
+    async def _count(self, tenant: Tenant, ledger: bytes, get: GetRecords) -> _Tally:
+        """The credential's share from its ledger (one entry per conversation
+        it made: the key of its log) and the lengths of those logs that are
+        still there. A ledger mostly of conversations gone is rewritten with
+        the living ones; a lost ledger entry leaves its conversation uncounted."""
+        found = dict(await get(CONVERSATIONS, [ledger, *(log_entry(ledger, n) for n in range(PREFETCH))]))
+        length = min(log_length(found.get(ledger)), 4 * self.conversations_per_tenant + PREFETCH)
+        entries = [log_entry(ledger, n) for n in range(length)]
+        missing = [entry for entry in entries if entry not in found]
+        for at in range(0, len(missing), READ_AT_ONCE):
+            found.update(await get(CONVERSATIONS, missing[at:at + READ_AT_ONCE]))
+        made: dict[bytes, None] = {}
+        for at in range(0, length, OPEN_AT_ONCE):
+            if length > OPEN_AT_ONCE:
+                await asyncio.sleep(0)  # a long ledger: other flows go on between its parts
+            for entry in entries[at:at + OPEN_AT_ONCE]:
+                sealed = found.get(entry)
+                key = tenant.open(sealed, ledger) if sealed is not None else None
+                if key is not None:
+                    made[key] = None
+        keys, lengths = list(made), {}
+        for at in range(0, len(keys), READ_AT_ONCE):
+            lengths.update(await get(CONVERSATIONS, keys[at:at + READ_AT_ONCE]))
+        living = [key for key in keys if key in lengths]
+        now = self.config.clock()
+        if length - len(living) > max(len(living), PREFETCH):
+            self._outbox.append(Write(CONVERSATIONS, ledger, None, log="drop"))
+            for key in living:
+                self._outbox.append(Write(CONVERSATIONS, ledger, tenant.seal(key, ledger), self.keep, log="start"))
+            self._renewed.put(ledger, now + self.keep)
+            length = len(living)
+        elif self._renewed.get(ledger, 0.0) < now + self.config.ttl:
+            for key in (ledger, *entries):
+                self._outbox.append(Write(CONVERSATIONS, key, None, self.keep, touch=True))
+            self._renewed.put(ledger, now + self.keep)
+        records = sum(log_length(lengths[key]) + 1 for key in living) + length + 1
+        return _Tally(len(living), records, now)
+
     # -- the API's endpoints ---------------------------------------------------------------
 
-    async def answer(self, tenant: Tenant, call: Call, conversation: Conversation | None,
-                     resolve: Resolve) -> tuple[int, bytes]:
+    async def answer(self, tenant: Tenant, call: Call, conversation: Conversation | None, resolve: Resolve,
+                     get: GetRecords) -> tuple[int, bytes]:
         """The API's answer to ``call``, on ``conversation`` (None only for
-        ``create``), as a status and a JSON body; changes go to the outbox."""
+        ``create``), as a status and a JSON body; changes go to the outbox
+        (``get`` reads the credential's share)."""
         try:
             if call.endpoint == "create":
                 body = _object(call.body)
                 metadata = _metadata(body.get("metadata"))
-                created = self.create(tenant, await _new_items(body.get("items"), (), resolve), metadata)
-                return 200, created.resource()
+                items = await _new_items(body.get("items"), (), resolve)
+                await self.admit(tenant, get, conversations=1, records=3)  # its log's length, first entry, ledger's
+                return 200, self.create(tenant, items, metadata).resource()
             if conversation is None:
                 raise not_found(call.conversation_id)
             if call.endpoint != "delete":
                 self.renew(conversation)
-            return 200, await getattr(self, "_" + call.endpoint)(tenant, call, conversation, resolve)
+            return 200, await getattr(self, "_" + call.endpoint)(tenant, call, conversation, resolve, get)
         except ApiError as e:
             return e.status, json.dumps(e.body).encode()
 
-    async def _retrieve(self, tenant: Tenant, call: Call, conversation: Conversation, resolve: Resolve) -> bytes:
+    async def _retrieve(self, tenant: Tenant, call: Call, conversation: Conversation, resolve: Resolve,
+                        get: GetRecords) -> bytes:
         return conversation.resource()
 
-    async def _update(self, tenant: Tenant, call: Call, conversation: Conversation, resolve: Resolve) -> bytes:
+    async def _update(self, tenant: Tenant, call: Call, conversation: Conversation, resolve: Resolve,
+                      get: GetRecords) -> bytes:
         body = _object(call.body)
         if "metadata" not in body:
             raise _missing("metadata")
         metadata = _metadata(body["metadata"])
         if conversation.length >= MAX_ENTRIES:
             raise too_large(conversation.id, "metadata")
+        await self.admit(tenant, get, param="metadata")
         self.retag(tenant, conversation, metadata)
         return conversation.resource(metadata)
 
-    async def _delete(self, tenant: Tenant, call: Call, conversation: Conversation, resolve: Resolve) -> bytes:
-        self.delete(conversation)
+    async def _delete(self, tenant: Tenant, call: Call, conversation: Conversation, resolve: Resolve,
+                      get: GetRecords) -> bytes:
+        self.delete(tenant, conversation)
         return _JSON({"id": conversation.id, "object": "conversation.deleted", "deleted": True})
 
-    async def _add_items(self, tenant: Tenant, call: Call, conversation: Conversation, resolve: Resolve) -> bytes:
+    async def _add_items(self, tenant: Tenant, call: Call, conversation: Conversation, resolve: Resolve,
+                         get: GetRecords) -> bytes:
         body = _object(call.body)
         if "items" not in body:
             raise _missing("items")
         items = await _new_items(body["items"], conversation.items, resolve)
         if conversation.full or len(conversation.items) + len(items) > MAX_ITEMS:
             raise too_large(conversation.id, "items")
+        await self.admit(tenant, get, param="items")
         self.add(tenant, conversation, items)
         include = _include(call.query)
         return _listed([Item.of(raw).shown(include) for raw in items], [Item.of(raw).id for raw in items], False)
 
-    async def _list_items(self, tenant: Tenant, call: Call, conversation: Conversation, resolve: Resolve) -> bytes:
+    async def _list_items(self, tenant: Tenant, call: Call, conversation: Conversation, resolve: Resolve,
+                          get: GetRecords) -> bytes:
         query = dict(call.query)
         limit_text, order = query.get("limit", "20"), query.get("order", "desc")
         if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
@@ -525,18 +648,21 @@ class Conversations:
         return _listed([item.shown(include) for item in page], [item.id for item in page],
                        len(items) > start + len(page))
 
-    async def _retrieve_item(self, tenant: Tenant, call: Call, conversation: Conversation, resolve: Resolve) -> bytes:
+    async def _retrieve_item(self, tenant: Tenant, call: Call, conversation: Conversation, resolve: Resolve,
+                             get: GetRecords) -> bytes:
         for item in conversation.items:
             if item.id == call.item_id:
                 return item.shown(_include(call.query))
         raise _no_item(call.item_id)
 
-    async def _delete_item(self, tenant: Tenant, call: Call, conversation: Conversation, resolve: Resolve) -> bytes:
+    async def _delete_item(self, tenant: Tenant, call: Call, conversation: Conversation, resolve: Resolve,
+                           get: GetRecords) -> bytes:
         """The item leaves the conversation; the API answers with the conversation."""
         if not any(item.id == call.item_id for item in conversation.items):
             raise _no_item(call.item_id)
         if conversation.length >= MAX_ENTRIES:
             raise too_large(conversation.id, "item_id")
+        await self.admit(tenant, get, param="item_id")
         self.remove(tenant, conversation, call.item_id)
         return conversation.resource()
 

@@ -119,6 +119,10 @@ class Tenant:
         return [self.conversation_key(conversation_id), *(older.conversation_key(conversation_id)
                                                           for older in self.older)]
 
+    def ledger_key(self) -> bytes:
+        """Where the list of this tenant's conversations is: what its share of the store is counted from."""
+        return blake3(self.tag + b"conversations\x00", key=self._secret).digest(KEY_SIZE)
+
     def seal(self, data: bytes, key: bytes) -> bytes:
         nonce = random_bytes(_NONCE)
         return nonce + self._aead.encrypt(nonce, data, key)
