@@ -409,6 +409,25 @@ def test_auto_takes_over_invisibly_once_the_upstream_refuses_or_ignores_a_conver
     assert proxy.output().count("lacks the Conversations API") == 1
 
 
+def test_auto_takes_over_when_the_upstream_answers_a_conversations_endpoint_405(emulator, start_proxy):
+    """The first create goes upstream and is answered 405: the proxy answers
+    it itself, creating the conversation, and is the API from then on."""
+    emulator.model.control({"conversations": "not_allowed"})
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=auto")
+    client = sdk(proxy)
+    conversation = client.conversations.create(items=[{"role": "user", "content": "hello"}])
+    assert conversation.id.startswith("conv_") and listed(client, conversation.id)[0]["content"] == [
+        {"type": "input_text", "text": "hello"}]
+    assert converse(client, emulator, conversation.id, ["turn 0: more", 'turn 1: call:get_weather({"city": "Oslo"})'],
+                    stream=False) == 3
+    assert all(record["conversation"] is None for record in log(emulator))  # never sent upstream once it lacked it
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.retrieve("conv_never_made")  # answered by the proxy, not the upstream's 405
+    client.close()
+    output = proxy.output()
+    assert output.count("lacks the Conversations API (405)") == 1 and "internal error" not in output
+
+
 def test_while_the_store_is_out_of_reach_a_conversation_request_goes_as_the_client_sent_it(emulator, start_proxy,
                                                                                            redis_server):
     emulator.model.control({"conversations": "absent"})

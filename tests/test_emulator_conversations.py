@@ -437,6 +437,17 @@ def test_without_the_api_every_conversations_path_is_unknown(emulator, mode, met
         "message": f"Invalid URL ({method} {path})", "type": "invalid_request_error", "param": None, "code": None}
 
 
+@pytest.mark.parametrize("method,path", [("POST", "/v1/conversations"), *ENDPOINTS])
+def test_not_allowed_answers_every_conversations_path_405_as_a_router_without_it(emulator, method, path):
+    created = request(emulator, "POST", "/v1/conversations", {"items": [{"role": "user", "content": "x"}]}).json()
+    item = request(emulator, "GET", f"/v1/conversations/{created['id']}/items").json()["data"][0]["id"]
+    emulator.model.control({"conversations": "not_allowed"})
+    answer = request(emulator, method, path.format(conversation=created["id"], item=item), BODY)
+    assert (answer.status_code, answer.json()) == (405, {"detail": "Method Not Allowed"})
+    dropped = request(emulator, "POST", "/v1/responses", {"model": "m", "input": "y", "conversation": created["id"]})
+    assert dropped.status_code == 200 and "conversation" not in dropped.json()  # the field is dropped
+
+
 def test_absent_refuses_the_conversation_field_as_unknown(emulator):
     created = request(emulator, "POST", "/v1/conversations", {}).json()
     emulator.model.control({"conversations": "absent"})

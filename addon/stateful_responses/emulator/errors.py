@@ -14,7 +14,8 @@ STREAM_ERROR = {"type": "server_error", "code": "server_error", "message": SERVE
 
 class APIError(Exception):
     """A refusal: its status and body. The body is OpenAI's unless another
-    API's is given; every API's body has its details under ``error``."""
+    API's is given; every API's body has its details under ``error`` (a
+    server's routing answer, ``method_not_allowed``, is no API's)."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None, body: dict | None = None) -> None:
@@ -151,6 +152,12 @@ def invalid_order(value: str) -> APIError:
 
 def invalid_url(method: str, path: str) -> APIError:
     return APIError(404, f"Invalid URL ({method} {path})")
+
+
+def method_not_allowed() -> APIError:
+    """A path a server routes for other methods only, as FastAPI answers it:
+    no OpenAI body (nothing under ``error``)."""
+    return APIError(405, "Method Not Allowed", body={"detail": "Method Not Allowed"})
 
 
 def server_error(status: int = 500) -> APIError:

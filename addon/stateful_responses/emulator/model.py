@@ -70,7 +70,9 @@ class Faults:
     and how fast the emulator reads, answers and finishes background work."""
 
     stateless: str | None = None  # "reject" (llama.cpp) | "ignore" (Ollama)
-    conversations: str | None = None  # no Conversations API: "absent" (refuses the field) | "ignore" (drops it)
+    # No Conversations API: "absent" (its paths 404, the field refused) | "ignore" (404, the field dropped) |
+    # "not_allowed" (its paths 405, the field dropped)
+    conversations: str | None = None
     echo_store: bool = True  # False: answers omit the ``store`` field
     echo_previous: bool = True  # False: answers omit the ``previous_response_id`` field
     refuse_store: bool = False  # a zero-data-retention organization
@@ -315,9 +317,9 @@ class ResponsesModel:
     def _conversation_of(self, credential: str, body: dict, previous: Any) -> StoredConversation | None:
         """The conversation a create names, as this upstream reads the field:
         OpenAI's API (with ``previous_response_id`` it is a 400), one without the
-        API (``absent``: an unknown field), or one that drops it (``ignore``)."""
+        API (``absent``: an unknown field), or one that drops it (``ignore``, ``not_allowed``)."""
         named = body.get("conversation")
-        if named is None or self.faults.conversations == "ignore":
+        if named is None or self.faults.conversations in ("ignore", "not_allowed"):
             return None
         if self.faults.conversations == "absent":
             raise errors.unknown_parameter("conversation")

@@ -171,7 +171,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _openai_conversations(self, method: str, body: bytes) -> bool:
         """Answer a request to the Conversations API; False when the path is
         not one. An upstream without the API (the ``conversations`` fault) has
-        no such paths."""
+        no such paths (404), or has them for other methods only (405)."""
         url = urlsplit(self.path)
         match = OPENAI_CONVERSATIONS_ROUTE.match(url.path)
         if not match:
@@ -180,6 +180,8 @@ class _Handler(BaseHTTPRequestHandler):
             "conversation" if match["conversation"] else "conversations"
         endpoint = OPENAI_CONVERSATIONS_ENDPOINTS.get((method, names))
         try:
+            if self.model.faults.conversations == "not_allowed":
+                raise errors.method_not_allowed()
             if endpoint is None or self.model.faults.conversations is not None:
                 raise errors.invalid_url(method, self.path)
             call = ConversationsCall(match["conversation"] or "", match["item"] or "",
