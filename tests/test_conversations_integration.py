@@ -314,6 +314,34 @@ async def test_openai_agents_conversations_session_over_a_tool_using_conversatio
     await client.close()
 
 
+async def test_openai_agents_conversations_session_passes_through_to_an_upstream_with_the_api(emulator, start_proxy):
+    """``auto`` in front of an upstream that has the API: the session's
+    conversation is the upstream's (created, read and added to there, read
+    back from it directly), and every model call saw its items, then the turn."""
+    agents = pytest.importorskip("agents")
+    from agents.memory import OpenAIConversationsSession
+
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=auto")
+    agent, client = weather_agent(agents, proxy)
+    upstream = openai.AsyncOpenAI(base_url=emulator.url + "/v1", api_key=KEY, max_retries=0,
+                                  http_client=httpx.AsyncClient(trust_env=False, timeout=30))
+    session = OpenAIConversationsSession(openai_client=client)
+    for number, turn in enumerate(AGENT_TURNS):
+        seen = len(log(emulator))
+        stored_before = await items_of(upstream, session.session_id) if number else []
+        await agents.Runner.run(agent, turn, session=session)
+        calls = log(emulator)[seen:]
+        assert len(calls) == (2 if "call:" in turn else 1)
+        assert meaning(calls[0]["context"]) == meaning(stored_before + [{"role": "user", "content": turn}])
+        kept = await items_of(upstream, session.session_id)  # the upstream's own conversation
+        assert meaning(kept) == meaning(calls[-1]["context"] + calls[-1]["output"])
+        assert await items_of(client, session.session_id) == kept  # through the proxy: the upstream's answer
+    assert (await upstream.conversations.retrieve(session.session_id)).id == session.session_id
+    await upstream.close()
+    await client.close()
+    assert "lacks the Conversations API" not in proxy.output()
+
+
 @pytest.mark.parametrize("upstream", WITHOUT_THE_API)
 async def test_openai_agents_with_a_conversation_id_sends_only_new_items(emulator, start_proxy, upstream):
     """``Runner.run(conversation_id=…)``: each call sends what is new, and the
