@@ -109,7 +109,8 @@ def conversation_not_found(conversation_id: object) -> APIError:
 
 def conversation_with_previous_response() -> APIError:
     """``conversation`` and ``previous_response_id`` together, worded (names cut
-    short) exactly as the API words it."""
+    short) as public captures of the live API record it (docs/emulator.md names
+    them; OpenAI's documentation and SDK give no wording)."""
     return APIError(400, "Mutually exclusive parameters: ''. Ensure you are only providing one of: 'pre..._id' or"
                          " 'conversation'.", code="mutually_exclusive_parameters")
 

@@ -775,7 +775,7 @@ class ConversationEmulation:
                                  reading.label, "")
         proxy_is_the_api = self._proxy_is_the_api(reading.scope)
         if reading.previous is not None:
-            self._refuse(flow, mutually_exclusive())  # the API's answer, whoever keeps the conversation
+            self._refuse(flow, mutually_exclusive())  # the API refuses it, whoever keeps the conversation
             return
         try:
             record.conversation_id = named(reading.conversation)

@@ -88,8 +88,9 @@ def not_found(conversation_id: object) -> ApiError:
 
 
 def mutually_exclusive() -> ApiError:
-    """``conversation`` with ``previous_response_id``, worded (the names cut
-    short) as the API words it, before any conversation is looked up."""
+    """``conversation`` with ``previous_response_id``, before any conversation
+    is looked up, worded (the names cut short) as public captures of the live
+    API record it: OpenAI's documentation and SDK give no wording."""
     return ApiError(400, "Mutually exclusive parameters: ''. Ensure you are only providing one of: 'pre..._id' or"
                          " 'conversation'.", code="mutually_exclusive_parameters")
 
