@@ -375,3 +375,30 @@ async def test_the_share_is_counted_from_the_store_and_a_ledger_of_the_gone_is_r
     assert set(stored) == {ledger, log_entry(ledger, 0), log_entry(ledger, 1)}
     assert {ALICE.open(stored[log_entry(ledger, n)], ledger) for n in range(2)} == \
         {ALICE.conversation_key(made[6]), ALICE.conversation_key(made[7])}
+
+
+async def test_renewing_a_long_log_lets_other_flows_run_between_its_parts(storage, monkeypatch):
+    monkeypatch.setattr(module, "TOUCH_AT_ONCE", 2)
+    now = [1_000_000.0]
+    replica = Replica(storage, Config(clock=lambda: now[0]))
+    conversation_id = await created(replica, ["0"])
+    for n in range(1, 6):
+        await replica.call("add_items", conversation_id=conversation_id,
+                           body={"items": [{"role": "user", "content": str(n)}]})
+    now[0] += replica.conversations.config.ttl / 10 + 1  # the renewal is due
+    conversation = await replica.find(conversation_id)
+    turns, done = [], False
+
+    async def other_flow() -> None:
+        while not done:
+            turns.append(len(turns))
+            await asyncio.sleep(0)
+
+    running = asyncio.create_task(other_flow())
+    await replica.conversations.renew(conversation)
+    done = True
+    await running
+    key = ALICE.conversation_key(conversation_id)
+    assert {w.key for w in replica.conversations.take_writes() if w.touch} == {key, *(log_entry(key, n)
+                                                                                     for n in range(6))}
+    assert len(turns) >= 6 // 2 - 1  # a turn between each two parts

@@ -806,7 +806,7 @@ class ConversationEmulation:
             else [string_input_item(bytes(reading.fields["input"]))]
         record.listed_input = listed(await referenced(self.history, record.tenant, raw_input, self.state.get_strict))
         record.expanded, dropped = await self._expansion(reading, client, record)
-        self.conversations.renew(conversation)
+        await self.conversations.renew(conversation)
         self.state.flush()
         flow.request.content = record.expanded
         flow.metadata[CLIENT_BODY] = client.raw_content

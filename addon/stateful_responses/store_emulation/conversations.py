@@ -57,6 +57,7 @@ MAX_ENTRIES = 20_000  # entries of one conversation's log at most: its appends, 
 PREFETCH = 32  # log entries asked for with the length, on the chance they are there (one round trip)
 READ_AT_ONCE = 512  # log entries per read: each read of a long log stays within the store's read timeout
 OPEN_AT_ONCE = 64  # log entries opened and replayed between two turns of the event loop (about 2 ms)
+TOUCH_AT_ONCE = 1024  # records renewed between two turns of the event loop (about 2 ms)
 CACHE_BYTES = 64 * 1024 * 1024  # conversations kept in memory, their items' bytes at most
 TENANT_SHARE = 10  # one credential's conversations hold at most this fraction (1/N) of the records the store keeps
 RECOUNT_AFTER = 60.0  # seconds a replica counts a credential's share on from its own writes before reading it again
@@ -498,15 +499,26 @@ class Conversations:
     def _write(self, tenant: Tenant, key: bytes, event: Event, log: str) -> None:
         self._outbox.append(Write(CONVERSATIONS, key, tenant.seal(_PACK(event), key), self.keep, log=log))  # type: ignore[arg-type]
 
-    def renew(self, conversation: Conversation) -> None:
+    async def renew(self, conversation: Conversation) -> None:
         """Every use keeps the conversation at least the TTL from now: its
         whole log is touched once per slack."""
         now = self.config.clock()
         if self._renewed.get(conversation.key, 0.0) >= now + self.config.ttl:
             return
-        for key in (conversation.key, *(log_entry(conversation.key, n) for n in range(conversation.length))):
-            self._outbox.append(Write(CONVERSATIONS, key, None, self.keep, touch=True))
         self._renewed.put(conversation.key, now + self.keep)
+        await self._touch(conversation.key, conversation.length)
+
+    async def _touch(self, log: bytes, length: int) -> None:
+        """Keep the log's length record and its first ``length`` entries
+        ``keep`` from now, queued a part at a time, other flows going on
+        between the parts."""
+        keep = self.keep
+        self._outbox.append(Write(CONVERSATIONS, log, None, keep, touch=True))
+        for at in range(0, length, TOUCH_AT_ONCE):
+            if at:
+                await asyncio.sleep(0)
+            for n in range(at, min(at + TOUCH_AT_ONCE, length)):
+                self._outbox.append(Write(CONVERSATIONS, log_entry(log, n), None, keep, touch=True))
 
     # -- each credential's share -------------------------------------------------------------
 
@@ -566,9 +578,8 @@ class Conversations:
             self._renewed.put(ledger, now + self.keep)
             length = len(living)
         elif self._renewed.get(ledger, 0.0) < now + self.config.ttl:
-            for key in (ledger, *entries):
-                self._outbox.append(Write(CONVERSATIONS, key, None, self.keep, touch=True))
             self._renewed.put(ledger, now + self.keep)
+            await self._touch(ledger, length)
         records = sum(log_length(lengths[key]) + 1 for key in living) + length + 1
         return _Tally(len(living), records, now)
 
@@ -589,7 +600,7 @@ class Conversations:
             if conversation is None:
                 raise not_found(call.conversation_id)
             if call.endpoint != "delete":
-                self.renew(conversation)
+                await self.renew(conversation)
             return 200, await getattr(self, "_" + call.endpoint)(tenant, call, conversation, resolve, get)
         except ApiError as e:
             return e.status, json.dumps(e.body).encode()
