@@ -1,4 +1,4 @@
-"""Issue 10, through real mitmdump processes: state outlives a restart (even a
+"""Through real mitmdump processes: state outlives a restart (even a
 kill -9), spans replicas sharing one SQLite file or one Redis, and every
 store failure is invisible to clients."""
 
