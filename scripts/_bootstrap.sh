@@ -27,7 +27,7 @@ if [ ! -f "$STAMP" ]; then
     # the openai SDK can backtrack to an old mitmproxy that fails to build.
     # Then the test tools alone: the newest SDKs want an h11 newer than
     # mitmproxy 11 pins; pip reports the conflict and mitmdump 11 runs fine
-    # with it (FACTS.md), whereas one joint resolution would backtrack the
+    # with it (verified), whereas one joint resolution would backtrack the
     # clients we test to old releases. Then the project itself, without deps.
     deps() {  # dependencies listed in pyproject.toml: "runtime" (without mitmproxy) or "test"
         "$VENV/bin/python" - "$ROOT/pyproject.toml" "$1" <<'PY'

@@ -50,7 +50,7 @@ def test_sse_bytes_reach_the_client_unchanged(proxy, emulator):
 
 @pytest.mark.parametrize("restart", [False, True], ids=["same-proxy", "after-a-restart"])
 def test_output_echoed_by_reference_continues_at_the_limit(emulator, start_proxy, tmp_path, restart):
-    """Issue 16: clients such as Vercel's AI SDK echo earlier output items as
+    """Clients such as Vercel's AI SDK echo earlier output items as
     ``item_reference``; a reference to an output item equals that item."""
     confdir = str(tmp_path)
     proxy = start_proxy(emulator.url, confdir=confdir)
@@ -78,7 +78,7 @@ def test_output_echoed_by_reference_continues_at_the_limit(emulator, start_proxy
 
 
 def test_a_background_response_is_learned_from_when_a_poll_finds_it_finished(emulator, start_proxy):
-    """Issue 13: ``background: true`` answers at once with ``queued``; the
+    """``background: true`` answers at once with ``queued``; the
     finished response arrives by polling ``GET /responses/{id}``."""
     emulator.model.control({"background_delay_ms": 100})
     proxy = start_proxy(emulator.url, "--set", "stateful_debug=true")

@@ -1,4 +1,4 @@
-"""Issue 18, the defects that lived in the glue, each through a real mitmdump:
+"""Forward mode's glue where it went wrong once, each through a real mitmdump:
 transient refusals, a failed retry, ``stream_large_bodies``, answers that prove
 nothing, and credentials in odd places."""
 

@@ -66,10 +66,10 @@ def test_reshaped_echoes_are_equal(upstream, echo):
         ({"type": "item_reference", "id": "msg_1"}, {"type": "item_reference", "id": "msg_2"}),
         ({"type": "function_call_output", "call_id": "c", "output": "1"},
          {"type": "function_call_output", "call_id": "c", "output": "2"}),
-        # Issue 18: a type-less reference is a reference, equal only to itself.
+        # A type-less reference is a reference, equal only to itself.
         ({"id": "msg_1"}, {"id": "msg_2"}),
         ({"id": "msg_1", "type": None}, {"id": "msg_2"}),
-        # Issue 18: the same key names are content on some item types, and deeper down.
+        # The same key names are content on some item types, and deeper down.
         (REASONING, {**REASONING, "id": "rs_other"}),
         ({"type": "apply_patch_call_output", "call_id": "c", "status": "completed", "output": ""},
          {"type": "apply_patch_call_output", "call_id": "c", "status": "failed", "output": ""}),
@@ -122,7 +122,7 @@ def test_items_that_parsers_read_differently_are_ambiguous(raw):
      ("123456789012345678901234567890", "123456789012345678901234567891")],
 )
 def test_numbers_a_parser_would_round_together_never_compare_equal(a, b):
-    """Issue 17: two literals equal only to a rounding parser never compare
+    """Two literals equal only to a rounding parser never compare
     equal: refused as ambiguous (double parsers would round them), or apart."""
     item = b'{"type": "function_call_output", "call_id": "c", "output": [%s]}'
     try:

@@ -1,8 +1,7 @@
 """LiteLLM's proxy (tests/litellm-requirements.txt) as a gateway, the real openai
 SDK in front of it and the emulator behind it, no addon in between: what it does
-to ``/v1/responses`` on each route, the facts of FACTS.md's LiteLLM bullet and a
-few it does not state. The addon may sit in front of such a gateway: these are
-the answers it would see.
+to ``/v1/responses`` on each route, what README's LiteLLM rows rest on. The
+addon may sit in front of such a gateway: these are the answers it would see.
 
 - Native pass-through (``openai/<m>``): the emulator stores; every response id
   the client sees is LiteLLM's own, long and opaque, and LiteLLM turns it back

@@ -1,4 +1,4 @@
-"""Issue 17: bodies whose meaning depends on the JSON parser, through one real mitmdump.
+"""Bodies whose meaning depends on the JSON parser, through one real mitmdump.
 
 Two hypothesis campaigns. The first grows real conversations with the emulator
 and writes every request body oddly (``odd_json``: whitespace, escapes, number

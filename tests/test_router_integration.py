@@ -143,3 +143,40 @@ def test_a_chain_is_routed_home_after_a_restart_and_through_another_replica(upst
     for client in clients:
         for number, (context, (_, record)) in enumerate(zip(client.meant(), client.served, strict=True)):
             assert drop_nulls(record["context"]) == drop_nulls(expand_input(context)), f"request {number}"
+
+
+def test_a_turn_whose_home_is_down_and_cannot_move_fails_fast_and_its_retry_goes_home(upstreams, start_proxy):
+    """Without store emulation, a previous_response_id turn whose home refuses
+    connections can go nowhere else: the client gets the 502 it would get
+    without the addon (at once, never a hang), other chains carry on, and
+    once the home is back the chain continues there."""
+    import openai
+
+    proxy = start_proxy(upstreams[0].url, "--set", "stateful_upstreams=" + ",".join(u.url for u in upstreams))
+    conv = ChainedConversation(proxy.url)
+    client = Tracked(conv, upstreams)
+    client.turn("opening")
+    home = client.served[-1][0]
+    stopped = upstreams[home]
+    port = stopped.port
+    stopped.stop()
+    time.sleep(1.2)  # the router probes an upstream it has not heard from for a second
+    conv.client = conv.client.with_options(max_retries=0, timeout=15)
+    started = time.monotonic()
+    with pytest.raises(openai.InternalServerError) as failure:
+        conv.turn("its home is down")
+    assert failure.value.status_code == 502 and time.monotonic() - started < 5
+    conv.history.pop()  # the client gives that turn up, and makes another once its upstream is back
+    conv.meant.pop()
+    other = Tracked(Conversation(proxy.url, api_key="sk-another"), upstreams)
+    other.turn("a new chain meanwhile")  # the proxy's own upstream is down: routed elsewhere all the same
+    assert other.served[-1][0] != home
+    upstreams[home] = Emulator(port=port, model=stopped.model).start()
+    client.upstreams = upstreams
+    time.sleep(1.2)
+    client.turn("its home is back")
+    conv.close()
+    other.conv.close()
+    assert [index for index, _ in client.served] == [home, home]
+    for number, (context, (_, record)) in enumerate(zip(client.meant(), client.served, strict=True)):
+        assert drop_nulls(record["context"]) == drop_nulls(expand_input(context)), f"request {number}"

@@ -1,4 +1,4 @@
-"""Issue 14 through real mitmdump: conversations at rest are sealed per tenant.
+"""Through real mitmdump: conversations at rest are sealed per tenant.
 After a conversation whose prompts and answers carry a marker, in ``always``
 mode, nothing in the store (every file in the confdir, WAL included, or every
 key and value in Redis) holds the marker or any answer text; a sealed turn

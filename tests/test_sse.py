@@ -115,7 +115,7 @@ def test_cut_stream_ends_without_a_completed_response():
 )
 @pytest.mark.parametrize("kind", ["json", "sse"])
 def test_answers_another_parser_reads_differently_teach_nothing(tamper, kind):
-    """Issue 17: what the addon learns is what every client reads."""
+    """What the addon learns is what every client reads."""
     if kind == "json":
         data = tamper(json.dumps(RESPONSE)).encode()
         assert read(data, [5], content_type="application/json") is None

@@ -1,9 +1,10 @@
 """Item identity: when two Responses API items are the same conversation content.
 
 The addon compares what a client resends with what the upstream stored. Clients
-re-shape upstream items without changing their meaning (FACTS.md, "What real
-clients send"), so items are compared in a normal form. Normalizing only affects
-comparison: the items sent upstream are always the client's own.
+re-shape upstream items without changing their meaning (captured from
+openai-agents, langchain, Codex and others), so items are compared in a normal
+form. Normalizing only affects comparison: the items sent upstream are always
+the client's own.
 
 Equivalences, each chosen because the upstream's stored form is at least as
 faithful as the client's re-shaped echo:

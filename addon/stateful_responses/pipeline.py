@@ -23,6 +23,7 @@ from .store_emulation.conversations import Conversations
 from .store_emulation.history import History
 from .tenancy import Tenancy
 from .upstreams import Upstreams
+from .view import ContentView
 from .websocket.addon import WebSocketBridge
 
 
@@ -54,6 +55,7 @@ def make_addons() -> list:
         ForwardMode(planner, state, replays, proofs),
         router.answers,  # fails over after the ones above learned from the failed answer
         record.answers,  # records what the client got, after every change
+        ContentView(),  # the Stateful Responses view of every capability's flows, in mitmweb
         replays,  # last: its collector wraps the others' taps
         FrozenStartupHeap(),
     ]

@@ -1,7 +1,7 @@
 """The addon's settings, parsed and validated without mitmproxy.
 
 mitmproxy silently skips a script when a ``--set`` value it cannot parse
-targets one of the script's options (FACTS.md), so every value is parsed here
+targets one of the script's options (verified on mitmproxy 11 and 12), so every value is parsed here
 first, by rules that accept what a person would type, and a bad one becomes an
 error that names the option.
 """

@@ -1,7 +1,7 @@
 """Read an answer on the side while its bytes pass through untouched.
 
 ``AnswerReader`` is fed the raw chunks mitmproxy streams to the client (still
-content-encoded, FACTS.md) and finds the response object: from a JSON body, or
+content-encoded: the stream callable sees bytes before decoding) and finds the response object: from a JSON body, or
 from an SSE stream's events. It never changes, holds back or reorders bytes;
 it only looks. If anything about the answer cannot be read (unknown encoding,
 oversized event, broken JSON), it gives up quietly and the answer is simply not
@@ -17,7 +17,7 @@ from typing import Any
 
 from .items import canonical_json, strict_loads
 
-# Events that carry the whole response object (FACTS.md).
+# Events that carry the whole response object.
 RESPONSE_EVENTS = frozenset(
     {
         "response.created",

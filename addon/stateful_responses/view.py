@@ -111,16 +111,22 @@ else:  # mitmproxy 11
             return 2 if _is_our_request(flow, http_message) else 0
 
 
-def register() -> StatefulView:
-    """Register the view, replacing one left by an earlier load of the script
-    (mitmproxy 11 refuses a duplicate name)."""
-    existing = contentviews.get(NAME)
-    if existing is not None and not hasattr(contentviews, "Contentview"):
-        contentviews.remove(existing)
-    view = StatefulView()
-    contentviews.add(view)
-    return view
+class ContentView:
+    """The addon that keeps the view registered while the script is loaded."""
 
+    def __init__(self) -> None:
+        self._view: StatefulView | None = None
 
-def unregister(view: StatefulView) -> None:
-    contentviews.remove(view)  # a no-op on mitmproxy 12, whose registry replaces by name
+    def load(self, loader) -> None:
+        # Replace a view left by an earlier load of the script (mitmproxy 11
+        # refuses a duplicate name).
+        existing = contentviews.get(NAME)
+        if existing is not None and not hasattr(contentviews, "Contentview"):
+            contentviews.remove(existing)
+        self._view = StatefulView()
+        contentviews.add(self._view)
+
+    def done(self) -> None:
+        if self._view is not None:
+            contentviews.remove(self._view)  # a no-op on mitmproxy 12, whose registry replaces by name
+            self._view = None

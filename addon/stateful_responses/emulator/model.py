@@ -1,8 +1,8 @@
 """The API's semantics, without HTTP: stored responses, continuation, item
 references, background responses, the deterministic model, and fault injection.
 
-This is an oracle for the addon, so it follows the real API (FACTS.md and
-docs/emulator.md), not the addon: responses are stored per credential;
+This is an oracle for the addon, so it follows the real API (docs/emulator.md
+says where from), not the addon: responses are stored per credential;
 ``previous_response_id`` makes the context the stored chain (every input and
 output before) plus this input; ``instructions`` and ``tools`` are not
 inherited; unknown or unstored parents get the API's own error body. A

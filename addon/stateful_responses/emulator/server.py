@@ -388,8 +388,19 @@ class _Server(ThreadingHTTPServer):
         super().__init__(address, _Handler)
         self.model = model
         self._sockets: set[ResponsesSocket] = set()
+        self._connections: set[socket.socket] = set()
         self._sockets_lock = threading.Lock()
         self._stopping = False
+
+    def process_request(self, request, client_address) -> None:
+        with self._sockets_lock:
+            self._connections.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request) -> None:
+        with self._sockets_lock:
+            self._connections.discard(request)
+        super().shutdown_request(request)
 
     @contextmanager
     def serving(self, ws: ResponsesSocket) -> Iterator[None]:
@@ -406,19 +417,27 @@ class _Server(ThreadingHTTPServer):
                 self._sockets.discard(ws)
 
     def close_sockets(self) -> None:
-        """Close every open WebSocket, and from now on each one as it upgrades."""
+        """Close every open WebSocket, and from now on each one as it upgrades;
+        end every kept-alive connection, as a server that stops does (its
+        handler threads would otherwise go on answering on them)."""
         with self._sockets_lock:
             self._stopping = True
             for ws in self._sockets:
                 ws.close()
+            for connection in self._connections:
+                try:
+                    connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
 
 class Emulator:
     """The emulator in a background thread: ``with Emulator() as emu: emu.url``."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, seed: int = 0,
-                 certfile: str | None = None, keyfile: str | None = None) -> None:
-        self.model = ResponsesModel(seed)
+                 certfile: str | None = None, keyfile: str | None = None,
+                 model: ResponsesModel | None = None) -> None:
+        self.model = model or ResponsesModel(seed)  # a model of a stopped emulator: the same upstream restarted
         self._server = _Server((host, port), self.model)
         self.scheme = "http"
         if certfile:

@@ -107,7 +107,7 @@ def background_events(response: dict, *, obfuscation: bool = True) -> list[dict]
 def _added(item: dict) -> dict:
     """An item as ``response.output_item.added`` first shows it: in progress,
     with nothing generated yet. A reasoning item's ``encrypted_content`` is
-    still incomplete there (FACTS.md: take items from ``.done``)."""
+    still incomplete there (clients take items from ``.done``)."""
     added = dict(item)
     if "status" in item:
         added["status"] = "in_progress"

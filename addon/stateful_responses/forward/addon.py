@@ -37,7 +37,6 @@ from ..sse import AnswerReader
 from ..state.access import StateAccess
 from ..tenancy import credential_material
 from ..upstreams import TRANSIENT_STATUSES
-from ..view import register, unregister
 from .planner import Outcome, Plan, Planner, plan_summary
 from .prefixes import ENTRIES, REFS, entries_found
 
@@ -97,7 +96,6 @@ class ForwardMode:
         self.replays = replays
         self.proofs = proofs
         self._pending: PerFlow[_Pending] = PerFlow()
-        self._view = None
         self._polls: PerFlow[tuple[str, str, str, str]] = PerFlow()  # (response id, scope, label, upstream)
 
     # -- hooks ---------------------------------------------------------------
@@ -334,12 +332,7 @@ class ForwardMode:
         except Exception:
             self._internal_error("handling a failed flow")
 
-    def load(self, loader) -> None:
-        self._view = register()
-
     def done(self) -> None:
-        if self._view is not None:
-            unregister(self._view)
         logger.info("stateful-responses: %s", self._stats_line())
 
     # -- commands ------------------------------------------------------------

@@ -143,7 +143,7 @@ class Planner:
         ``prompt_cache_key``, ``instructions`` and ``tools``: matching is by item
         content, so two requests whose items agree are the same conversation up
         to that point whatever they are called; instructions and tools are resent
-        with every request and are not part of the stored context (FACTS.md);
+        with every request and are not part of the stored context (the API's rule);
         and clients vary ``prompt_cache_key`` freely (openai-agents sends a new
         one on every ``Runner.run``), which would make every turn start over.
         The credential enters only through a keyed hash under the store's secret.

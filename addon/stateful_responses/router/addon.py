@@ -23,7 +23,7 @@ import logging
 from urllib.parse import urlsplit
 
 import msgspec
-from mitmproxy import http
+from mitmproxy import ctx, http
 
 from ..counters import Counters
 from ..flows import CONTINUATION, RETRY_OF, ROUTED, hold, internal_error
@@ -101,6 +101,13 @@ class Router:
         if "stateful_upstreams" in updated:
             upstreams = self.config.settings.upstreams
             self.routes = Routes(list(upstreams)) if upstreams else None
+            if self.routes is not None and ctx.options.connection_strategy == "eager":
+                # Eager, mitmproxy connects every new client to the proxy's own
+                # upstream before reading a request, and drops the client while
+                # that one is down: the router could never route around it.
+                ctx.options.update(connection_strategy="lazy")
+                logger.info("stateful-responses: connection_strategy=lazy, so that routing decides where "
+                            "each request connects")
 
     async def request(self, flow: http.HTTPFlow) -> None:
         routes = self.routes
@@ -132,7 +139,7 @@ class Router:
         route = self.routes.choose(record, answered_by)
         if route.moved and route.home is not None and relies_on_stored_state(record) \
                 and await self.expand(flow, flow.request) is None:
-            return Route(route.home, "its parent's state is there only")
+            return Route(route.home, "its parent's state is there only", home=route.home)
         return route
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:

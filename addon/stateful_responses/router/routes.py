@@ -35,7 +35,7 @@ class Route:
     upstream: str
     reason: str
     moved: bool = False  # the turn's state lives elsewhere: it must travel as full history
-    home: str | None = None  # where its state lives, when moved
+    home: str | None = None  # where its state lives, when it moved or had to stay there
 
 
 @dataclass

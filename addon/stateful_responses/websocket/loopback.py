@@ -1,7 +1,7 @@
 """The loopback server mitmproxy relays a bridged answer from. Pure: asyncio.
 
 An addon cannot stream an answer it makes itself; mitmproxy streams one it
-reads from a server (FACTS.md). So a bridged flow is pointed at this server
+reads from a server (verified on mitmproxy 11 and 12). So a bridged flow is pointed at this server
 (127.0.0.1, a port of its own, in mitmproxy's event loop) with an unguessable
 token for a path; the answer is written here as the upstream's events arrive,
 and mitmproxy relays each chunk on. HTTP/1.1 with keep-alive, as mitmproxy
