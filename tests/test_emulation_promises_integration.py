@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import sqlite3
 import time
 from pathlib import Path
@@ -41,6 +42,20 @@ def call(method: str, url: str, key: str = KEY) -> httpx.Response:
         return c.request(method, url, headers={"authorization": f"Bearer {key}"})
 
 
+def post_http10(url: str, body: dict) -> dict:
+    """POST as an HTTP/1.0 client (no chunked framing): the answer, read to the connection's close."""
+    data = json.dumps({"model": "gpt-test", **body}).encode()
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=30) as s:
+        s.sendall(b"POST /v1/responses HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+        received = b""
+        while chunk := s.recv(65536):
+            received += chunk
+    head, _, payload = received.partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == b"200", received
+    return json.loads(payload)
+
+
 def said(record: dict) -> list[str]:
     """The user texts of what the model saw, in order."""
     texts = []
@@ -61,21 +76,25 @@ def chain(url: str, texts: list[str], previous: str | None = None, **body) -> li
     return answers
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-def test_an_answer_the_client_holds_survives_kill_9_at_once(emulator, start_proxy, tmp_path, stream):
+@pytest.mark.parametrize("client", ["json", "sse", "json-http1.0"])
+def test_an_answer_the_client_holds_survives_kill_9_at_once(emulator, start_proxy, tmp_path, client):
     emulator.model.control({"stateless": "reject"})
     confdir = str(tmp_path)
     proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always", confdir=confdir)
+    stream = client == "sse"
     previous = None
     for attempt in range(5):
-        with httpx.Client(trust_env=False, timeout=30) as c:
-            body = {"model": "gpt-test", "input": f"turn {attempt}", "stream": stream}
-            if previous:
-                body["previous_response_id"] = previous
-            r = c.post(proxy.url + "/v1/responses", json=body, headers={"authorization": f"Bearer {KEY}"})
-            assert r.status_code == 200, r.text
-        previous = r.json()["id"] if not stream else \
-            json.loads([line for line in r.text.splitlines() if '"response.completed"' in line][0][6:])["response"]["id"]
+        body = {"model": "gpt-test", "input": f"turn {attempt}", "stream": stream}
+        if previous:
+            body["previous_response_id"] = previous
+        if client == "json-http1.0":
+            previous = post_http10(proxy.url, body)["id"]
+        else:
+            with httpx.Client(trust_env=False, timeout=30) as c:
+                r = c.post(proxy.url + "/v1/responses", json=body, headers={"authorization": f"Bearer {KEY}"})
+                assert r.status_code == 200, r.text
+            previous = r.json()["id"] if not stream else json.loads(
+                [line for line in r.text.splitlines() if '"response.completed"' in line][0][6:])["response"]["id"]
         proxy.kill()  # the client has the whole answer: nothing may be lost now
         proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always", confdir=confdir, port=proxy.port)
     last = post(proxy.url, {"input": "after five crashes", "previous_response_id": previous})
