@@ -184,6 +184,22 @@ def test_always_mode_answers_only_for_what_it_recorded(emulator, start_proxy):
     assert call("GET", f"{proxy.url}/v1/responses/{ours['id']}").status_code == 404
 
 
+def test_always_mode_expands_references_to_input_items_the_client_named(emulator, start_proxy):
+    emulator.model.control({"stateless": "reject"})  # stores nothing: a reference is 404 there
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always")
+    own = {"type": "message", "id": "msg_client_0001", "role": "user",
+           "content": [{"type": "input_text", "text": "the client's own item"}]}
+    assert post(proxy.url, {"input": [own]}).status_code == 200
+    reference = {"type": "item_reference", "id": own["id"]}
+    r = post(proxy.url, {"input": [reference, {"role": "user", "content": "and now?"}]})
+    assert r.status_code == 200, r.text
+    assert log(emulator)[-1]["context"][0] == own
+    chained = post(proxy.url, {"input": [reference], "previous_response_id": r.json()["id"]})
+    assert chained.status_code == 200 and log(emulator)[-1]["context"][-1] == own
+    other = post(proxy.url, {"input": [reference]}, key="sk-another-tenant")  # never across tenants
+    assert other.status_code == 404 and own["id"] in other.text
+
+
 def test_always_mode_expands_references_to_recorded_items(emulator, start_proxy):
     emulator.model.control({"stateless": "reject"})  # stores nothing: a reference is 404 there
     proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always")

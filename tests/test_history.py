@@ -189,6 +189,18 @@ async def test_a_deleted_response_nothing_relies_on_is_gone_from_the_store():
     assert deleted_with_dependents.status == "completed"  # resp_2 was deleted, not resp_1
 
 
+async def test_references_resolve_to_input_items_that_carried_an_id():
+    recorder, records = History(), Records()
+    mine = raw({"type": "function_call_output", "id": "fco_c", "call_id": "call_1", "output": "21C"})
+    recorder.record(ALICE, response=answer(0), previous_response_id=None,
+                    raw_input=[user("a"), mine, raw({"type": "item_reference", "id": "msg_elsewhere"})],
+                    stored_upstream=False)
+    records.apply(recorder)
+    found = await History().referenced(ALICE, ["fco_c", "msg_elsewhere", "msg_0"], records.get)
+    assert found.keys() == {"fco_c", "msg_0"} and found["fco_c"] == mine  # a reference is never an item
+    assert await History().referenced(BOB, ["fco_c"], records.get) == {}
+
+
 async def test_a_delete_through_another_process_holds_here_at_once():
     here, records = History(), Records()
     await chain_of(here, records, ALICE, 2)

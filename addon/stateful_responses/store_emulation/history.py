@@ -106,18 +106,18 @@ class History:
                 if base is not None:
                     start = k
                     break
+        turn_key = tenant.turn_key(response_id)
         size = 0
         input_keys = []
         for raw, digest in zip(raw_input[start:], digests[start:], strict=True):
-            input_keys.append(self._item(tenant, raw, digest))
+            input_keys.append(key := self._item(tenant, raw, digest))
             size += len(raw)
+            self._index(tenant, _item_id(raw), turn_key + key)
         output_keys = []
         for raw, item in zip(output, response.get("output") or [], strict=True):
             output_keys.append(key := self._item(tenant, raw, exact_digest(raw)))
             size += len(raw)
-            if isinstance(item, dict) and isinstance(item.get("id"), str):  # keyed hashes both: nothing to seal
-                self._outbox.append(Write(ITEM_IDS, tenant.item_id_key(item["id"]),
-                                          tenant.turn_key(response_id) + key, self.ttl))
+            self._index(tenant, item.get("id") if isinstance(item, dict) else None, turn_key + key)
         shell = {k: v for k, v in response.items() if k != "output"}
         body = TurnBody(response_id, previous_response_id, base, input_keys, output_keys, _ENCODE(shell))
         fingerprint_of = (previous_response_id, rolling[-1] if rolling else b"", output_keys)
@@ -152,6 +152,12 @@ class History:
         self.items.put(key, raw)
         self._outbox.append(Write(ITEMS, key, tenant.seal(raw, key), self.ttl))
         return key
+
+    def _index(self, tenant: Tenant, item_id: object, where: bytes) -> None:
+        """An item with an id can be named by an ``item_reference``: where it
+        is (its turn's key and its own; keyed hashes both: nothing to seal)."""
+        if isinstance(item_id, str) and item_id:
+            self._outbox.append(Write(ITEM_IDS, tenant.item_id_key(item_id), where, self.ttl))
 
     def _relied_on(self, tenant: Tenant, response_id: str, dependencies: list[str]) -> list[str]:
         """A turn relies on the turn it continues and the one whose input it
@@ -322,8 +328,10 @@ class History:
         return await self._items(tenant, keys, get, turn.body.response_id)
 
     async def referenced(self, tenant: Tenant, item_ids: Sequence[str], get: GetRecords) -> dict[str, bytes]:
-        """The recorded output items ``item_ids`` name (an ``item_reference``),
-        by id; ids of no recorded item, or of a response since deleted, are left out."""
+        """The recorded items ``item_ids`` name (an ``item_reference``): outputs,
+        and input items that carried an id (the one recorded last, when several
+        did), by id; ids of no recorded item, or of a response since deleted,
+        are left out."""
         keys = {key: item_id for item_id in dict.fromkeys(item_ids) for key in tenant.item_id_keys(item_id)}
         owners: dict[str, tuple[bytes, bytes]] = {}  # item id -> (its turn's key, its own key)
         for key, value in (await get(ITEM_IDS, list(keys))).items():
@@ -371,6 +379,30 @@ class History:
             raise ChainError("session_chain_unavailable",
                              f"Items of the chain ending at '{asked}' are no longer available.", asked)
         return [found[k] for k in keys]
+
+
+class _Named(msgspec.Struct):
+    id: Any = None
+    type: Any = None
+    role: Any = None
+
+
+_NAMED = msgspec.json.Decoder(_Named)
+
+
+def _item_id(raw: bytes) -> str | None:
+    """The id an item carries (a client's own ``msg_…``, ``fco_…``, an output
+    echoed back), never the id a reference names."""
+    if b'"id"' not in raw:
+        return None
+    try:
+        item = _NAMED.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if not isinstance(item.id, str) or not item.id or item.type == "item_reference" \
+            or (item.type is None and item.role is None):
+        return None
+    return item.id
 
 
 def _rolling(digests: Sequence[bytes]) -> list[bytes]:
