@@ -19,9 +19,10 @@ import redis
 from driver import httpx
 from stateful_responses.reading import Request
 from stateful_responses.settings import Config
+from stateful_responses.state.storage import open_storage
 from stateful_responses.state.storage.sqlite import SQLiteStorage
 from stateful_responses.store_emulation.history import History
-from stateful_responses.store_emulation.turns import TURNS, Tenant, header_of
+from stateful_responses.store_emulation.turns import ITEM_IDS, ITEMS, TURNS, Tenant, header_of
 from stateful_responses.tenancy import credential_material
 
 KEY = "sk-test-key"
@@ -40,6 +41,10 @@ def post(url: str, body: dict, key: str = KEY, **options) -> httpx.Response:
 def call(method: str, url: str, key: str = KEY) -> httpx.Response:
     with httpx.Client(trust_env=False, timeout=30) as c:
         return c.request(method, url, headers={"authorization": f"Bearer {key}"})
+
+
+def credential(key: str = KEY) -> bytes:
+    return credential_material(Request("POST", "http://x/v1/responses", {"authorization": f"Bearer {key}"}, b""))
 
 
 def post_http10(url: str, body: dict) -> dict:
@@ -182,6 +187,39 @@ def test_always_mode_answers_only_for_what_it_recorded(emulator, start_proxy):
     assert call("DELETE", f"{proxy.url}/v1/responses/{ours['id']}").json()["deleted"] is True
     assert call("GET", f"{emulator.url}/v1/responses/{ours['id']}").status_code == 404
     assert call("GET", f"{proxy.url}/v1/responses/{ours['id']}").status_code == 404
+
+
+@pytest.mark.parametrize("store", ["sqlite", "redis"])
+def test_a_deleted_turn_leaves_no_sealed_item_of_its_own_in_the_store(emulator, start_proxy, tmp_path, request,
+                                                                      store):
+    emulator.model.control({"stateless": "reject"})
+    spec = request.getfixturevalue("redis_server").url if store == "redis" else f"sqlite:{tmp_path / 'state.db'}"
+    proxy = start_proxy(emulator.url, "--set", f"stateful_store={spec}", "--set", "stateful_emulate=always")
+    [first] = chain(proxy.url, ["keep this"])
+    own = {"type": "message", "id": "msg_client_deleted", "role": "user",
+           "content": [{"type": "input_text", "text": "delete this secret text"}]}
+    second = post(proxy.url, {"input": [own], "previous_response_id": first["id"]}).json()
+    answer_text = second["output"][0]["content"][0]["text"]
+    assert call("DELETE", f"{proxy.url}/v1/responses/{second['id']}").json()["deleted"] is True
+    proxy.stop()  # the last writes are drained
+
+    async def read() -> tuple[Tenant, dict[str, dict[bytes, bytes]]]:
+        storage = open_storage(spec, str(tmp_path), {})
+        await storage.open()
+        try:
+            secret, _ = await storage.keyring()
+            return Tenant.of(secret, credential()), {t: await storage.scan(t) for t in (TURNS, ITEMS, ITEM_IDS)}
+        finally:
+            await storage.close()
+
+    tenant, tables = asyncio.run(read())
+    opened = [tenant.open(sealed, key) for key, sealed in tables[ITEMS].items()]
+    assert None not in opened and any(b"keep this" in raw for raw in opened)  # the living turn's items stay
+    assert not any(b"delete this secret text" in raw or answer_text.encode() in raw for raw in opened)
+    gone = tenant.turn_key(second["id"])
+    assert gone not in tables[TURNS] and tenant.turn_key(first["id"]) in tables[TURNS]
+    assert not any(where.startswith(gone) for where in tables[ITEM_IDS].values())
+    assert tenant.item_id_key("msg_client_deleted") not in tables[ITEM_IDS]
 
 
 def test_always_mode_expands_references_to_input_items_the_client_named(emulator, start_proxy):
