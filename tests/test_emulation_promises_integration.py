@@ -189,6 +189,69 @@ def test_always_mode_answers_only_for_what_it_recorded(emulator, start_proxy):
     assert call("GET", f"{proxy.url}/v1/responses/{ours['id']}").status_code == 404
 
 
+@pytest.mark.parametrize("store", ["sqlite", "redis"], ids=["writes-locked", "unreachable"])
+def test_a_delete_the_store_did_not_take_is_never_answered_as_done(emulator, start_proxy, tmp_path, request, store):
+    if store == "redis":
+        server = request.getfixturevalue("redis_server")
+        spec = server.url
+    else:
+        path = tmp_path / "state.db"
+        spec = f"sqlite:{path}"
+    proxy = start_proxy(emulator.url, "--set", f"stateful_store={spec}", "--set", "stateful_emulate=always")
+    [turn] = chain(proxy.url, ["a text the user deletes"])
+    url = f"{proxy.url}/v1/responses/{turn['id']}"
+    if store == "redis":
+        server.pause()  # the proxy cannot even read it
+        try:
+            refused = call("DELETE", url)
+        finally:
+            server.resume()
+    else:
+        lock = sqlite3.connect(path, timeout=10, isolation_level=None)
+        lock.execute("BEGIN EXCLUSIVE")  # reads go on, the deletion cannot be written
+        try:
+            refused = call("DELETE", url)
+        finally:
+            lock.execute("ROLLBACK")
+            lock.close()
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error", refused.text
+    assert call("GET", f"{emulator.url}/v1/responses/{turn['id']}").status_code == 404  # the upstream's copy went
+    deadline = time.monotonic() + 15
+    while (kept := call("GET", url)).status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.2)  # until the store is back: then the record answers
+    assert kept.status_code == 200 and kept.json()["id"] == turn["id"]  # not deleted, as the client was told
+    deleted = call("DELETE", url)  # the SDK's retry: the upstream has forgotten it, the record answers
+    assert deleted.json() == {"id": turn["id"], "object": "response", "deleted": True}
+    assert call("GET", url).status_code == 404
+    again = post(proxy.url, {"input": "go on", "previous_response_id": turn["id"]})
+    assert again.status_code == 400 and again.json()["error"]["code"] == "previous_response_not_found"
+
+
+def test_auto_mode_deletes_the_record_whatever_the_upstream_answers(emulator, start_proxy):
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=auto")
+    first, second = chain(proxy.url, ["keep this", "a text the upstream forgot"])
+    emulator.model.control({"forget": [second["id"]]})  # expired there
+    deleted = call("DELETE", f"{proxy.url}/v1/responses/{second['id']}")
+    assert deleted.json() == {"id": second["id"], "object": "response", "deleted": True}  # the record's copy went
+    refused = post(proxy.url, {"input": "go on", "previous_response_id": second["id"]})
+    assert refused.status_code == 400 and "previous_response" in refused.text  # nothing to bring it back from
+    assert all("a text the upstream forgot" not in said(r) for r in log(emulator)[2:])
+    go_on = post(proxy.url, {"input": "from the first", "previous_response_id": first["id"]})
+    assert go_on.status_code == 200 and said(log(emulator)[-1]) == ["keep this", "from the first"]
+
+
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_a_delete_reaches_an_upstream_that_stores_without_saying_so(emulator, start_proxy, mode):
+    emulator.model.control({"echo_store": False})  # it stores, and its answers omit `store`
+    proxy = start_proxy(emulator.url, "--set", f"stateful_emulate={mode}")
+    [turn] = chain(proxy.url, ["kept upstream silently"])
+    assert "store" not in turn and call("GET", f"{emulator.url}/v1/responses/{turn['id']}").status_code == 200
+    deleted = call("DELETE", f"{proxy.url}/v1/responses/{turn['id']}")
+    assert deleted.json() == {"id": turn["id"], "object": "response", "deleted": True}
+    assert call("GET", f"{emulator.url}/v1/responses/{turn['id']}").status_code == 404  # gone there too
+    assert call("GET", f"{proxy.url}/v1/responses/{turn['id']}").status_code == 404
+
+
 @pytest.mark.parametrize("store", ["sqlite", "redis"])
 def test_a_deleted_turn_leaves_no_sealed_item_of_its_own_in_the_store(emulator, start_proxy, tmp_path, request,
                                                                       store):
