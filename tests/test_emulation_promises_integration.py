@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
 import sqlite3
 import time
@@ -20,12 +22,14 @@ from driver import httpx
 from stateful_responses.reading import Request
 from stateful_responses.settings import Config
 from stateful_responses.state.storage import open_storage
+from stateful_responses.state.storage.redis import RedisStorage
 from stateful_responses.state.storage.sqlite import SQLiteStorage
 from stateful_responses.store_emulation.history import History
 from stateful_responses.store_emulation.turns import ITEM_IDS, ITEMS, TURNS, Tenant, header_of
 from stateful_responses.tenancy import credential_material
 
 KEY = "sk-test-key"
+SECRET_KEY, SECRETS_KEY = b"{stateful-responses}:secret", b"{stateful-responses}:secrets"  # where Redis keeps them
 
 
 def log(emulator) -> list[dict]:
@@ -107,21 +111,86 @@ def test_an_answer_the_client_holds_survives_kill_9_at_once(emulator, start_prox
     assert said(log(emulator)[-1]) == [f"turn {n}" for n in range(5)] + ["after five crashes"]
 
 
-def test_replicas_keep_one_secret_when_redis_comes_back_empty(emulator, start_proxy, redis_server):
+def recorded_under(url: str, secrets: list[bytes], response_ids: list[str]) -> dict[str, bytes]:
+    """Which of ``secrets`` each response's turn is recorded under in the Redis at ``url``."""
+
+    async def read() -> dict[str, bytes]:
+        storage = RedisStorage(url)
+        await storage.open()
+        try:
+            found = {}
+            for secret in secrets:
+                keys = {Tenant.of(secret, credential()).turn_key(i): i for i in response_ids}
+                found.update((keys[k], secret) for k in await storage.get(TURNS, list(keys)))
+            return found
+        finally:
+            await storage.close()
+
+    return asyncio.run(read())
+
+
+def one_secret_everywhere(url: str, replicas: list, timeout: float = 30) -> list[str]:
+    """Until every replica records under the store's secret; the turns made
+    meanwhile that the store holds (under any secret it has used)."""
+    raw = redis.Redis.from_url(url)
+    made: list[str] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        ids = [r.json()["id"] for r in (post(p.url, {"input": f"meanwhile {len(made)}"}) for p in replicas)]
+        secret = raw.get(SECRET_KEY)
+        under = recorded_under(url, sorted(raw.smembers(SECRETS_KEY)), made + ids)
+        made = [i for i in made + ids if i in under]
+        if secret is not None and all(under.get(i) == secret for i in ids):
+            return made
+        assert time.monotonic() < deadline, "the replicas never came to share the store's secret"
+        time.sleep(0.5)
+
+
+def test_replicas_keep_one_secret_when_redis_restarts_empty(emulator, start_proxy, redis_server):
     emulator.model.control({"stateless": "reject"})
     store = ("--set", f"stateful_store={redis_server.url}", "--set", "stateful_emulate=always")
     a, b = start_proxy(emulator.url, *store), start_proxy(emulator.url, *store)
-    chain(a.url, ["before"])
-    raw = redis.Redis.from_url(redis_server.url)
-    raw.flushall()  # what a restart without persistence leaves, or an eviction of everything
+    [lost] = chain(a.url, ["before the restart"])
+    redis_server.stop()
+    redis_server.start()  # on the same port, without persistence: it comes back empty
     c = start_proxy(emulator.url, *store)  # a replica that starts while the store is empty
-    previous = None
-    for n, proxy in enumerate([a, c, b, a, c, b]):
-        r = post(proxy.url, {"input": f"turn {n}", **({"previous_response_id": previous} if previous else {})})
-        assert r.status_code == 200, (n, r.text)
-        previous = r.json()["id"]
-    assert said(log(emulator)[-1]) == [f"turn {n}" for n in range(6)]
-    assert raw.scard(b"{stateful-responses}:secrets") >= 1
+    made = one_secret_everywhere(redis_server.url, [a, b, c])
+    made += [r.json()["id"] for r in (post(p.url, {"input": "after"}) for p in (a, b, c))]
+    for proxy in (a, b, c):
+        for previous in made:
+            r = post(proxy.url, {"input": "go on", "previous_response_id": previous})
+            assert r.status_code == 200, (proxy.url, previous, r.text)
+    gone = post(c.url, {"input": "go on", "previous_response_id": lost})  # what the store itself lost
+    assert gone.status_code == 400 and "previous_response_id" in gone.text  # refused, never answered without it
+
+
+def test_records_sealed_under_a_secret_the_store_lost_stay_readable_on_every_replica(emulator, start_proxy,
+                                                                                     redis_server):
+    emulator.model.control({"stateless": "reject"})
+    store = ("--set", f"stateful_store={redis_server.url}", "--set", "stateful_emulate=always")
+    a, b = start_proxy(emulator.url, *store), start_proxy(emulator.url, *store)
+    before = chain(a.url, ["sealed under the first secret", "and continued"])
+    raw = redis.Redis.from_url(redis_server.url)
+    first_secret = raw.get(SECRET_KEY)
+    for proxy in (a, b):
+        os.kill(proxy.process.pid, signal.SIGSTOP)  # neither can give its secret back meanwhile
+    try:
+        raw.delete(SECRET_KEY, SECRETS_KEY)  # evicted (an allkeys-* policy): the records stay
+        c = start_proxy(emulator.url, *store)
+        deadline = time.monotonic() + 10
+        while raw.get(SECRET_KEY) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        for proxy in (a, b):
+            os.kill(proxy.process.pid, signal.SIGCONT)
+    assert raw.get(SECRET_KEY) not in (None, first_secret)  # c made another one
+    one_secret_everywhere(redis_server.url, [a, b, c])
+    assert first_secret in raw.smembers(SECRETS_KEY)  # given back by a and b, among the older ones
+    for proxy in (a, b, c):
+        r = post(proxy.url, {"input": "still there?", "previous_response_id": before[-1]["id"]})
+        assert r.status_code == 200, (proxy.url, r.text)
+        assert said(log(emulator)[-1]) == ["sealed under the first secret", "and continued", "still there?"]
+    assert "has another secret than this proxy had" in a.output()
 
 
 @pytest.mark.parametrize("store", ["sqlite", "redis"])
