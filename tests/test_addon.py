@@ -308,6 +308,7 @@ async def test_clear_erases_the_conversations_the_proxy_keeps(tmp_path):
         await addon.conversations.request(listed)
         assert listed.response.status_code == 404  # gone from memory and from the store
 
+
 def resource_flow(method: bytes, path: bytes) -> tflow.HTTPFlow:
     return tflow.tflow(req=tutils.treq(method=method, scheme=b"https", host="api.example.test", port=443, path=path,
                                        content=b"", headers=[(b"authorization", b"Bearer sk-x")]))
@@ -351,3 +352,36 @@ async def test_a_store_outage_while_answering_from_the_record_sends_the_request_
         assert deleting.response.status_code == 503  # the record's copy may live on: never answered as done
         assert addon.emulation.counters.errors == 0 and "internal error" not in caplog.text
 
+
+async def test_a_long_running_responses_plan_outlives_many_other_flows():
+    async with Glue(stateful_emulate="always") as addon:
+        emulation = addon.emulation
+        answer = {"id": "resp_1", "status": "completed", "store": True, "output": UPSTREAM_OUTPUT}
+        first = responses_flow({"model": "m", "input": "hello"})
+        await emulation.request(first)
+        first.response = tutils.tresp(status_code=200, content=json.dumps(answer).encode(),
+                                      headers=[(b"content-type", b"application/json")])
+        await emulation.response(first)
+        slow = responses_flow({"model": "m", "input": "and then?", "previous_response_id": "resp_1"})
+        await emulation.request(slow)  # expanded; its answer takes a long while
+        assert json.loads(slow.request.content)["input"][0] == {"role": "user", "content": "hello"}
+        others = []
+        for n in range(10_001):  # in flight meanwhile, then done: more than the old count bound kept
+            other = responses_flow({"model": "m", "input": f"other {n}"})
+            await emulation.request(other)
+            others.append(other)
+        for other in others:
+            other.response = tutils.tresp(status_code=500, content=b"{}")
+            await emulation.response(other)
+        del others
+        slow.response = tutils.tresp(status_code=200, headers=[(b"content-type", b"application/json")],
+                                     content=json.dumps({**answer, "id": "resp_2"}).encode())
+        await emulation.response(slow)
+        for _ in range(100):  # until the writer task has written it
+            got = resource_flow(b"GET", b"/v1/responses/resp_2")
+            await emulation.request(got)
+            if got.response is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert got.response is not None, "resp_2 was never recorded: its plan was dropped"
+        assert json.loads(got.response.content)["previous_response_id"] == "resp_1"  # recorded as its plan said

@@ -354,6 +354,17 @@ def test_a_deleted_turn_leaves_no_sealed_item_of_its_own_in_the_store(emulator, 
     assert tenant.item_id_key("msg_client_deleted") not in tables[ITEM_IDS]
 
 
+def test_always_mode_retrieves_a_chained_turn_naming_its_parent(emulator, start_proxy):
+    emulator.model.control({"stateless": "reject"})
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always")
+    first, second = chain(proxy.url, ["one", "two"])
+    assert second["previous_response_id"] is None  # the live answer: the upstream's own, to full history
+    got = call("GET", f"{proxy.url}/v1/responses/{second['id']}")
+    assert got.status_code == 200
+    assert got.json()["previous_response_id"] == first["id"] and got.json()["output"] == second["output"]
+    assert call("GET", f"{proxy.url}/v1/responses/{first['id']}").json()["previous_response_id"] is None
+
+
 def test_always_mode_expands_references_to_input_items_the_client_named(emulator, start_proxy):
     emulator.model.control({"stateless": "reject"})  # stores nothing: a reference is 404 there
     proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always")
@@ -385,15 +396,26 @@ def test_always_mode_expands_references_to_recorded_items(emulator, start_proxy)
     assert chained.status_code == 200 and log(emulator)[-1]["context"][-1]["content"] == message["content"]
 
 
-def test_reasoning_named_by_id_is_dropped_from_an_expansion_and_encrypted_reasoning_travels(emulator, start_proxy):
+def test_reasoning_named_by_id_is_dropped_from_an_expansion_and_encrypted_reasoning_travels(emulator, start_proxy,
+                                                                                              tmp_path):
     emulator.model.control({"stateless": "reject"})
-    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always", "--set", "stateful_record_file=")
+    record_file = tmp_path / "records.jsonl"
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always",
+                        "--set", f"stateful_record_file={record_file}")
     by_id = chain(proxy.url, ["think", "again"], reasoning={"summary": "auto"})
     assert by_id[0]["output"][0]["type"] == "reasoning"
     assert all(i.get("type") != "reasoning" for i in log(emulator)[-1]["context"])  # dropped, not refused
     encrypted = chain(proxy.url, ["think", "again"], reasoning={}, include=["reasoning.encrypted_content"])
     assert encrypted[-1]["status"] == "completed"
     assert any(i.get("type") == "reasoning" and i.get("encrypted_content") for i in log(emulator)[-1]["context"])
+    deadline = time.monotonic() + 10
+    while len(lines := record_file.read_text().splitlines() if record_file.exists() else []) < 4:
+        assert time.monotonic() < deadline, "the record file has not got a line per turn"
+        time.sleep(0.05)
+    dropped = [[e for e in json.loads(line)["audit"]["protocolMapping"].get("dropped", []) if e["field"] == "reasoning"]
+               for line in lines]
+    assert [len(d) for d in dropped] == [0, 1, 0, 0]  # the expansion that dropped one, and only it
+    assert dropped[1][0]["source"] == "proxy" and dropped[1][0]["reason"].startswith("1 recorded reasoning items")
 
 
 def test_a_seal_key_outside_the_store_protects_tenants_without_a_credential(emulator, start_proxy, tmp_path):
@@ -426,6 +448,29 @@ def test_a_seal_key_outside_the_store_protects_tenants_without_a_credential(emul
     while "not protected at rest" not in unprotected.output() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert "not protected at rest" in unprotected.output()
+
+
+def test_a_seal_key_from_the_environment_protects_tenants_without_a_credential(emulator, start_proxy, tmp_path,
+                                                                            monkeypatch):
+    monkeypatch.setenv("STATEFUL_RESPONSES_SEAL_KEY", "e" * 32)  # mitmdump inherits it
+    confdir = tmp_path / "confdir"
+    confdir.mkdir()
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always", confdir=str(confdir))
+    [answer] = chain_with_key(proxy.url, "EMPTY", ["a secret of the keyless tenant"])
+    assert "not protected at rest" not in proxy.stop()
+
+    async def read(seal_key: bytes) -> object:
+        storage = SQLiteStorage(str(confdir / "stateful-responses.sqlite3"))
+        await storage.open()
+        try:
+            secret, _ = await storage.keyring()
+            return await History(Config()).turn(Tenant.of(secret, credential("EMPTY"), seal_key=seal_key),
+                                                answer["id"], storage.get)
+        finally:
+            await storage.close()
+
+    assert asyncio.run(read(b"")) is None  # the store and the placeholder key alone open nothing
+    assert asyncio.run(read(b"e" * 32)) is not None
 
 
 def test_a_seal_key_too_short_to_protect_anything_stops_mitmdump(emulator, tmp_path):
