@@ -12,6 +12,8 @@ from harness import ADDON
 from mitmproxy.test import taddons, tflow, tutils
 from stateful_responses.pipeline import make_addons
 from stateful_responses.flows import DECISION
+from stateful_responses.state.storage import StorageError
+from stateful_responses.store_emulation.turns import DEPENDENTS, ITEMS
 
 UPSTREAM_OUTPUT = [{"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
                     "content": [{"type": "output_text", "text": "hi!", "annotations": []}]}]
@@ -305,3 +307,81 @@ async def test_clear_erases_the_conversations_the_proxy_keeps(tmp_path):
         listed = conversations_flow(b"GET", f"/v1/conversations/{conversation_id}/items".encode())
         await addon.conversations.request(listed)
         assert listed.response.status_code == 404  # gone from memory and from the store
+
+
+def resource_flow(method: bytes, path: bytes) -> tflow.HTTPFlow:
+    return tflow.tflow(req=tutils.treq(method=method, scheme=b"https", host="api.example.test", port=443, path=path,
+                                       content=b"", headers=[(b"authorization", b"Bearer sk-x")]))
+
+
+async def test_a_store_outage_while_answering_from_the_record_sends_the_request_upstream(monkeypatch, caplog):
+    async with Glue(stateful_emulate="always") as addon:
+        answer = {"id": "resp_1", "status": "completed", "store": True, "output": UPSTREAM_OUTPUT}
+        made = responses_flow({"model": "m", "input": "hello"})
+        await addon.emulation.request(made)
+        made.response = tutils.tresp(status_code=200, content=json.dumps(answer).encode(),
+                                     headers=[(b"content-type", b"application/json")])
+        await addon.emulation.response(made)
+        for _ in range(100):  # until the writer task has written it
+            got = resource_flow(b"GET", b"/v1/responses/resp_1")
+            await addon.emulation.request(got)
+            if got.response is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert got.response.status_code == 200  # the record answers while the store does
+        addon.emulation.history.items.clear()  # another replica's, or a restart's, memory
+        real = addon.state.get_strict
+
+        async def items_unreachable(table, keys):
+            if table in (ITEMS, DEPENDENTS):
+                raise StorageError("read timed out")
+            return await real(table, keys)
+
+        monkeypatch.setattr(addon.state, "get_strict", items_unreachable)
+        for path in (b"/v1/responses/resp_1", b"/v1/responses/resp_1/input_items"):
+            flow = resource_flow(b"GET", path)
+            await addon.emulation.request(flow)
+            assert flow.response is None and not flow.comment  # the upstream's to answer
+            assert addon.emulation.counters.errors == 0  # an outage, not an internal error
+        deleting = resource_flow(b"DELETE", b"/v1/responses/resp_1")
+        await addon.emulation.request(deleting)
+        assert deleting.response is None  # goes upstream, which deletes its copy
+        deleting.response = tutils.tresp(status_code=200, content=b'{"id": "resp_1", "deleted": true}')
+        addon.emulation.responseheaders(deleting)
+        await addon.emulation.response(deleting)
+        assert deleting.response.status_code == 503  # the record's copy may live on: never answered as done
+        assert addon.emulation.counters.errors == 0 and "internal error" not in caplog.text
+
+
+async def test_a_long_running_responses_plan_outlives_many_other_flows():
+    async with Glue(stateful_emulate="always") as addon:
+        emulation = addon.emulation
+        answer = {"id": "resp_1", "status": "completed", "store": True, "output": UPSTREAM_OUTPUT}
+        first = responses_flow({"model": "m", "input": "hello"})
+        await emulation.request(first)
+        first.response = tutils.tresp(status_code=200, content=json.dumps(answer).encode(),
+                                      headers=[(b"content-type", b"application/json")])
+        await emulation.response(first)
+        slow = responses_flow({"model": "m", "input": "and then?", "previous_response_id": "resp_1"})
+        await emulation.request(slow)  # expanded; its answer takes a long while
+        assert json.loads(slow.request.content)["input"][0] == {"role": "user", "content": "hello"}
+        others = []
+        for n in range(10_001):  # in flight meanwhile, then done: more than the old count bound kept
+            other = responses_flow({"model": "m", "input": f"other {n}"})
+            await emulation.request(other)
+            others.append(other)
+        for other in others:
+            other.response = tutils.tresp(status_code=500, content=b"{}")
+            await emulation.response(other)
+        del others
+        slow.response = tutils.tresp(status_code=200, headers=[(b"content-type", b"application/json")],
+                                     content=json.dumps({**answer, "id": "resp_2"}).encode())
+        await emulation.response(slow)
+        for _ in range(100):  # until the writer task has written it
+            got = resource_flow(b"GET", b"/v1/responses/resp_2")
+            await emulation.request(got)
+            if got.response is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert got.response is not None, "resp_2 was never recorded: its plan was dropped"
+        assert json.loads(got.response.content)["previous_response_id"] == "resp_1"  # recorded as its plan said

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import socket
 import sqlite3
 import time
 from pathlib import Path
@@ -18,12 +21,15 @@ import redis
 from driver import httpx
 from stateful_responses.reading import Request
 from stateful_responses.settings import Config
+from stateful_responses.state.storage import open_storage
+from stateful_responses.state.storage.redis import RedisStorage
 from stateful_responses.state.storage.sqlite import SQLiteStorage
 from stateful_responses.store_emulation.history import History
-from stateful_responses.store_emulation.turns import TURNS, Tenant, header_of
+from stateful_responses.store_emulation.turns import ITEM_IDS, ITEMS, TURNS, Tenant, header_of
 from stateful_responses.tenancy import credential_material
 
 KEY = "sk-test-key"
+SECRET_KEY, SECRETS_KEY = b"{stateful-responses}:secret", b"{stateful-responses}:secrets"  # where Redis keeps them
 
 
 def log(emulator) -> list[dict]:
@@ -39,6 +45,24 @@ def post(url: str, body: dict, key: str = KEY, **options) -> httpx.Response:
 def call(method: str, url: str, key: str = KEY) -> httpx.Response:
     with httpx.Client(trust_env=False, timeout=30) as c:
         return c.request(method, url, headers={"authorization": f"Bearer {key}"})
+
+
+def credential(key: str = KEY) -> bytes:
+    return credential_material(Request("POST", "http://x/v1/responses", {"authorization": f"Bearer {key}"}, b""))
+
+
+def post_http10(url: str, body: dict) -> dict:
+    """POST as an HTTP/1.0 client (no chunked framing): the answer, read to the connection's close."""
+    data = json.dumps({"model": "gpt-test", **body}).encode()
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=30) as s:
+        s.sendall(b"POST /v1/responses HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+        received = b""
+        while chunk := s.recv(65536):
+            received += chunk
+    head, _, payload = received.partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == b"200", received
+    return json.loads(payload)
 
 
 def said(record: dict) -> list[str]:
@@ -61,21 +85,25 @@ def chain(url: str, texts: list[str], previous: str | None = None, **body) -> li
     return answers
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-def test_an_answer_the_client_holds_survives_kill_9_at_once(emulator, start_proxy, tmp_path, stream):
+@pytest.mark.parametrize("client", ["json", "sse", "json-http1.0"])
+def test_an_answer_the_client_holds_survives_kill_9_at_once(emulator, start_proxy, tmp_path, client):
     emulator.model.control({"stateless": "reject"})
     confdir = str(tmp_path)
     proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always", confdir=confdir)
+    stream = client == "sse"
     previous = None
     for attempt in range(5):
-        with httpx.Client(trust_env=False, timeout=30) as c:
-            body = {"model": "gpt-test", "input": f"turn {attempt}", "stream": stream}
-            if previous:
-                body["previous_response_id"] = previous
-            r = c.post(proxy.url + "/v1/responses", json=body, headers={"authorization": f"Bearer {KEY}"})
-            assert r.status_code == 200, r.text
-        previous = r.json()["id"] if not stream else \
-            json.loads([line for line in r.text.splitlines() if '"response.completed"' in line][0][6:])["response"]["id"]
+        body = {"model": "gpt-test", "input": f"turn {attempt}", "stream": stream}
+        if previous:
+            body["previous_response_id"] = previous
+        if client == "json-http1.0":
+            previous = post_http10(proxy.url, body)["id"]
+        else:
+            with httpx.Client(trust_env=False, timeout=30) as c:
+                r = c.post(proxy.url + "/v1/responses", json=body, headers={"authorization": f"Bearer {KEY}"})
+                assert r.status_code == 200, r.text
+            previous = r.json()["id"] if not stream else json.loads(
+                [line for line in r.text.splitlines() if '"response.completed"' in line][0][6:])["response"]["id"]
         proxy.kill()  # the client has the whole answer: nothing may be lost now
         proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always", confdir=confdir, port=proxy.port)
     last = post(proxy.url, {"input": "after five crashes", "previous_response_id": previous})
@@ -83,21 +111,86 @@ def test_an_answer_the_client_holds_survives_kill_9_at_once(emulator, start_prox
     assert said(log(emulator)[-1]) == [f"turn {n}" for n in range(5)] + ["after five crashes"]
 
 
-def test_replicas_keep_one_secret_when_redis_comes_back_empty(emulator, start_proxy, redis_server):
+def recorded_under(url: str, secrets: list[bytes], response_ids: list[str]) -> dict[str, bytes]:
+    """Which of ``secrets`` each response's turn is recorded under in the Redis at ``url``."""
+
+    async def read() -> dict[str, bytes]:
+        storage = RedisStorage(url)
+        await storage.open()
+        try:
+            found = {}
+            for secret in secrets:
+                keys = {Tenant.of(secret, credential()).turn_key(i): i for i in response_ids}
+                found.update((keys[k], secret) for k in await storage.get(TURNS, list(keys)))
+            return found
+        finally:
+            await storage.close()
+
+    return asyncio.run(read())
+
+
+def one_secret_everywhere(url: str, replicas: list, timeout: float = 30) -> list[str]:
+    """Until every replica records under the store's secret; the turns made
+    meanwhile that the store holds (under any secret it has used)."""
+    raw = redis.Redis.from_url(url)
+    made: list[str] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        ids = [r.json()["id"] for r in (post(p.url, {"input": f"meanwhile {len(made)}"}) for p in replicas)]
+        secret = raw.get(SECRET_KEY)
+        under = recorded_under(url, sorted(raw.smembers(SECRETS_KEY)), made + ids)
+        made = [i for i in made + ids if i in under]
+        if secret is not None and all(under.get(i) == secret for i in ids):
+            return made
+        assert time.monotonic() < deadline, "the replicas never came to share the store's secret"
+        time.sleep(0.5)
+
+
+def test_replicas_keep_one_secret_when_redis_restarts_empty(emulator, start_proxy, redis_server):
     emulator.model.control({"stateless": "reject"})
     store = ("--set", f"stateful_store={redis_server.url}", "--set", "stateful_emulate=always")
     a, b = start_proxy(emulator.url, *store), start_proxy(emulator.url, *store)
-    chain(a.url, ["before"])
-    raw = redis.Redis.from_url(redis_server.url)
-    raw.flushall()  # what a restart without persistence leaves, or an eviction of everything
+    [lost] = chain(a.url, ["before the restart"])
+    redis_server.stop()
+    redis_server.start()  # on the same port, without persistence: it comes back empty
     c = start_proxy(emulator.url, *store)  # a replica that starts while the store is empty
-    previous = None
-    for n, proxy in enumerate([a, c, b, a, c, b]):
-        r = post(proxy.url, {"input": f"turn {n}", **({"previous_response_id": previous} if previous else {})})
-        assert r.status_code == 200, (n, r.text)
-        previous = r.json()["id"]
-    assert said(log(emulator)[-1]) == [f"turn {n}" for n in range(6)]
-    assert raw.scard(b"{stateful-responses}:secrets") >= 1
+    made = one_secret_everywhere(redis_server.url, [a, b, c])
+    made += [r.json()["id"] for r in (post(p.url, {"input": "after"}) for p in (a, b, c))]
+    for proxy in (a, b, c):
+        for previous in made:
+            r = post(proxy.url, {"input": "go on", "previous_response_id": previous})
+            assert r.status_code == 200, (proxy.url, previous, r.text)
+    gone = post(c.url, {"input": "go on", "previous_response_id": lost})  # what the store itself lost
+    assert gone.status_code == 400 and "previous_response_id" in gone.text  # refused, never answered without it
+
+
+def test_records_sealed_under_a_secret_the_store_lost_stay_readable_on_every_replica(emulator, start_proxy,
+                                                                                     redis_server):
+    emulator.model.control({"stateless": "reject"})
+    store = ("--set", f"stateful_store={redis_server.url}", "--set", "stateful_emulate=always")
+    a, b = start_proxy(emulator.url, *store), start_proxy(emulator.url, *store)
+    before = chain(a.url, ["sealed under the first secret", "and continued"])
+    raw = redis.Redis.from_url(redis_server.url)
+    first_secret = raw.get(SECRET_KEY)
+    for proxy in (a, b):
+        os.kill(proxy.process.pid, signal.SIGSTOP)  # neither can give its secret back meanwhile
+    try:
+        raw.delete(SECRET_KEY, SECRETS_KEY)  # evicted (an allkeys-* policy): the records stay
+        c = start_proxy(emulator.url, *store)
+        deadline = time.monotonic() + 10
+        while raw.get(SECRET_KEY) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        for proxy in (a, b):
+            os.kill(proxy.process.pid, signal.SIGCONT)
+    assert raw.get(SECRET_KEY) not in (None, first_secret)  # c made another one
+    one_secret_everywhere(redis_server.url, [a, b, c])
+    assert first_secret in raw.smembers(SECRETS_KEY)  # given back by a and b, among the older ones
+    for proxy in (a, b, c):
+        r = post(proxy.url, {"input": "still there?", "previous_response_id": before[-1]["id"]})
+        assert r.status_code == 200, (proxy.url, r.text)
+        assert said(log(emulator)[-1]) == ["sealed under the first secret", "and continued", "still there?"]
+    assert "has another secret than this proxy had" in a.output()
 
 
 @pytest.mark.parametrize("store", ["sqlite", "redis"])
@@ -165,6 +258,129 @@ def test_always_mode_answers_only_for_what_it_recorded(emulator, start_proxy):
     assert call("GET", f"{proxy.url}/v1/responses/{ours['id']}").status_code == 404
 
 
+@pytest.mark.parametrize("store", ["sqlite", "redis"], ids=["writes-locked", "unreachable"])
+def test_a_delete_the_store_did_not_take_is_never_answered_as_done(emulator, start_proxy, tmp_path, request, store):
+    if store == "redis":
+        server = request.getfixturevalue("redis_server")
+        spec = server.url
+    else:
+        path = tmp_path / "state.db"
+        spec = f"sqlite:{path}"
+    proxy = start_proxy(emulator.url, "--set", f"stateful_store={spec}", "--set", "stateful_emulate=always")
+    [turn] = chain(proxy.url, ["a text the user deletes"])
+    url = f"{proxy.url}/v1/responses/{turn['id']}"
+    if store == "redis":
+        server.pause()  # the proxy cannot even read it
+        try:
+            refused = call("DELETE", url)
+        finally:
+            server.resume()
+    else:
+        lock = sqlite3.connect(path, timeout=10, isolation_level=None)
+        lock.execute("BEGIN EXCLUSIVE")  # reads go on, the deletion cannot be written
+        try:
+            refused = call("DELETE", url)
+        finally:
+            lock.execute("ROLLBACK")
+            lock.close()
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error", refused.text
+    assert call("GET", f"{emulator.url}/v1/responses/{turn['id']}").status_code == 404  # the upstream's copy went
+    deadline = time.monotonic() + 15
+    while (kept := call("GET", url)).status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.2)  # until the store is back: then the record answers
+    assert kept.status_code == 200 and kept.json()["id"] == turn["id"]  # not deleted, as the client was told
+    deleted = call("DELETE", url)  # the SDK's retry: the upstream has forgotten it, the record answers
+    assert deleted.json() == {"id": turn["id"], "object": "response", "deleted": True}
+    assert call("GET", url).status_code == 404
+    again = post(proxy.url, {"input": "go on", "previous_response_id": turn["id"]})
+    assert again.status_code == 400 and again.json()["error"]["code"] == "previous_response_not_found"
+
+
+def test_auto_mode_deletes_the_record_whatever_the_upstream_answers(emulator, start_proxy):
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=auto")
+    first, second = chain(proxy.url, ["keep this", "a text the upstream forgot"])
+    emulator.model.control({"forget": [second["id"]]})  # expired there
+    deleted = call("DELETE", f"{proxy.url}/v1/responses/{second['id']}")
+    assert deleted.json() == {"id": second["id"], "object": "response", "deleted": True}  # the record's copy went
+    refused = post(proxy.url, {"input": "go on", "previous_response_id": second["id"]})
+    assert refused.status_code == 400 and "previous_response" in refused.text  # nothing to bring it back from
+    assert all("a text the upstream forgot" not in said(r) for r in log(emulator)[2:])
+    go_on = post(proxy.url, {"input": "from the first", "previous_response_id": first["id"]})
+    assert go_on.status_code == 200 and said(log(emulator)[-1]) == ["keep this", "from the first"]
+
+
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_a_delete_reaches_an_upstream_that_stores_without_saying_so(emulator, start_proxy, mode):
+    emulator.model.control({"echo_store": False})  # it stores, and its answers omit `store`
+    proxy = start_proxy(emulator.url, "--set", f"stateful_emulate={mode}")
+    [turn] = chain(proxy.url, ["kept upstream silently"])
+    assert "store" not in turn and call("GET", f"{emulator.url}/v1/responses/{turn['id']}").status_code == 200
+    deleted = call("DELETE", f"{proxy.url}/v1/responses/{turn['id']}")
+    assert deleted.json() == {"id": turn["id"], "object": "response", "deleted": True}
+    assert call("GET", f"{emulator.url}/v1/responses/{turn['id']}").status_code == 404  # gone there too
+    assert call("GET", f"{proxy.url}/v1/responses/{turn['id']}").status_code == 404
+
+
+@pytest.mark.parametrize("store", ["sqlite", "redis"])
+def test_a_deleted_turn_leaves_no_sealed_item_of_its_own_in_the_store(emulator, start_proxy, tmp_path, request,
+                                                                      store):
+    emulator.model.control({"stateless": "reject"})
+    spec = request.getfixturevalue("redis_server").url if store == "redis" else f"sqlite:{tmp_path / 'state.db'}"
+    proxy = start_proxy(emulator.url, "--set", f"stateful_store={spec}", "--set", "stateful_emulate=always")
+    [first] = chain(proxy.url, ["keep this"])
+    own = {"type": "message", "id": "msg_client_deleted", "role": "user",
+           "content": [{"type": "input_text", "text": "delete this secret text"}]}
+    second = post(proxy.url, {"input": [own], "previous_response_id": first["id"]}).json()
+    answer_text = second["output"][0]["content"][0]["text"]
+    assert call("DELETE", f"{proxy.url}/v1/responses/{second['id']}").json()["deleted"] is True
+    proxy.stop()  # the last writes are drained
+
+    async def read() -> tuple[Tenant, dict[str, dict[bytes, bytes]]]:
+        storage = open_storage(spec, str(tmp_path), {})
+        await storage.open()
+        try:
+            secret, _ = await storage.keyring()
+            return Tenant.of(secret, credential()), {t: await storage.scan(t) for t in (TURNS, ITEMS, ITEM_IDS)}
+        finally:
+            await storage.close()
+
+    tenant, tables = asyncio.run(read())
+    opened = [tenant.open(sealed, key) for key, sealed in tables[ITEMS].items()]
+    assert None not in opened and any(b"keep this" in raw for raw in opened)  # the living turn's items stay
+    assert not any(b"delete this secret text" in raw or answer_text.encode() in raw for raw in opened)
+    gone = tenant.turn_key(second["id"])
+    assert gone not in tables[TURNS] and tenant.turn_key(first["id"]) in tables[TURNS]
+    assert not any(where.startswith(gone) for where in tables[ITEM_IDS].values())
+    assert tenant.item_id_key("msg_client_deleted") not in tables[ITEM_IDS]
+
+
+def test_always_mode_retrieves_a_chained_turn_naming_its_parent(emulator, start_proxy):
+    emulator.model.control({"stateless": "reject"})
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always")
+    first, second = chain(proxy.url, ["one", "two"])
+    assert second["previous_response_id"] is None  # the live answer: the upstream's own, to full history
+    got = call("GET", f"{proxy.url}/v1/responses/{second['id']}")
+    assert got.status_code == 200
+    assert got.json()["previous_response_id"] == first["id"] and got.json()["output"] == second["output"]
+    assert call("GET", f"{proxy.url}/v1/responses/{first['id']}").json()["previous_response_id"] is None
+
+
+def test_always_mode_expands_references_to_input_items_the_client_named(emulator, start_proxy):
+    emulator.model.control({"stateless": "reject"})  # stores nothing: a reference is 404 there
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always")
+    own = {"type": "message", "id": "msg_client_0001", "role": "user",
+           "content": [{"type": "input_text", "text": "the client's own item"}]}
+    assert post(proxy.url, {"input": [own]}).status_code == 200
+    reference = {"type": "item_reference", "id": own["id"]}
+    r = post(proxy.url, {"input": [reference, {"role": "user", "content": "and now?"}]})
+    assert r.status_code == 200, r.text
+    assert log(emulator)[-1]["context"][0] == own
+    chained = post(proxy.url, {"input": [reference], "previous_response_id": r.json()["id"]})
+    assert chained.status_code == 200 and log(emulator)[-1]["context"][-1] == own
+    other = post(proxy.url, {"input": [reference]}, key="sk-another-tenant")  # never across tenants
+    assert other.status_code == 404 and own["id"] in other.text
+
+
 def test_always_mode_expands_references_to_recorded_items(emulator, start_proxy):
     emulator.model.control({"stateless": "reject"})  # stores nothing: a reference is 404 there
     proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always")
@@ -180,15 +396,26 @@ def test_always_mode_expands_references_to_recorded_items(emulator, start_proxy)
     assert chained.status_code == 200 and log(emulator)[-1]["context"][-1]["content"] == message["content"]
 
 
-def test_reasoning_named_by_id_is_dropped_from_an_expansion_and_encrypted_reasoning_travels(emulator, start_proxy):
+def test_reasoning_named_by_id_is_dropped_from_an_expansion_and_encrypted_reasoning_travels(emulator, start_proxy,
+                                                                                              tmp_path):
     emulator.model.control({"stateless": "reject"})
-    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always", "--set", "stateful_record_file=")
+    record_file = tmp_path / "records.jsonl"
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always",
+                        "--set", f"stateful_record_file={record_file}")
     by_id = chain(proxy.url, ["think", "again"], reasoning={"summary": "auto"})
     assert by_id[0]["output"][0]["type"] == "reasoning"
     assert all(i.get("type") != "reasoning" for i in log(emulator)[-1]["context"])  # dropped, not refused
     encrypted = chain(proxy.url, ["think", "again"], reasoning={}, include=["reasoning.encrypted_content"])
     assert encrypted[-1]["status"] == "completed"
     assert any(i.get("type") == "reasoning" and i.get("encrypted_content") for i in log(emulator)[-1]["context"])
+    deadline = time.monotonic() + 10
+    while len(lines := record_file.read_text().splitlines() if record_file.exists() else []) < 4:
+        assert time.monotonic() < deadline, "the record file has not got a line per turn"
+        time.sleep(0.05)
+    dropped = [[e for e in json.loads(line)["audit"]["protocolMapping"].get("dropped", []) if e["field"] == "reasoning"]
+               for line in lines]
+    assert [len(d) for d in dropped] == [0, 1, 0, 0]  # the expansion that dropped one, and only it
+    assert dropped[1][0]["source"] == "proxy" and dropped[1][0]["reason"].startswith("1 recorded reasoning items")
 
 
 def test_a_seal_key_outside_the_store_protects_tenants_without_a_credential(emulator, start_proxy, tmp_path):
@@ -221,6 +448,29 @@ def test_a_seal_key_outside_the_store_protects_tenants_without_a_credential(emul
     while "not protected at rest" not in unprotected.output() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert "not protected at rest" in unprotected.output()
+
+
+def test_a_seal_key_from_the_environment_protects_tenants_without_a_credential(emulator, start_proxy, tmp_path,
+                                                                            monkeypatch):
+    monkeypatch.setenv("STATEFUL_RESPONSES_SEAL_KEY", "e" * 32)  # mitmdump inherits it
+    confdir = tmp_path / "confdir"
+    confdir.mkdir()
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always", confdir=str(confdir))
+    [answer] = chain_with_key(proxy.url, "EMPTY", ["a secret of the keyless tenant"])
+    assert "not protected at rest" not in proxy.stop()
+
+    async def read(seal_key: bytes) -> object:
+        storage = SQLiteStorage(str(confdir / "stateful-responses.sqlite3"))
+        await storage.open()
+        try:
+            secret, _ = await storage.keyring()
+            return await History(Config()).turn(Tenant.of(secret, credential("EMPTY"), seal_key=seal_key),
+                                                answer["id"], storage.get)
+        finally:
+            await storage.close()
+
+    assert asyncio.run(read(b"")) is None  # the store and the placeholder key alone open nothing
+    assert asyncio.run(read(b"e" * 32)) is not None
 
 
 def test_a_seal_key_too_short_to_protect_anything_stops_mitmdump(emulator, tmp_path):

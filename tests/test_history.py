@@ -11,7 +11,7 @@ import pytest
 from stateful_responses.store_emulation.walk import ChainError
 from stateful_responses.settings import Config, Settings
 from stateful_responses.store_emulation.history import History, exact_digest, listed_items, response_json
-from stateful_responses.store_emulation.turns import ITEMS, TURNS, Tenant, header_of
+from stateful_responses.store_emulation.turns import ITEM_IDS, ITEMS, TURNS, Tenant, header_of
 
 SECRET = os.urandom(32)
 ALICE = Tenant.of(SECRET, b"Bearer sk-alice")
@@ -187,6 +187,44 @@ async def test_a_deleted_response_nothing_relies_on_is_gone_from_the_store():
     assert key not in records.tables[TURNS]
     deleted_with_dependents = header_of(records.tables[TURNS][ALICE.turn_key("resp_1")])
     assert deleted_with_dependents.status == "completed"  # resp_2 was deleted, not resp_1
+
+
+async def test_a_deleted_turn_nothing_relies_on_takes_its_own_items_and_their_ids_with_it():
+    recorder, records = History(), Records()
+    shared, mine = user("the same developer prompt"), raw({"type": "message", "id": "msg_c", "role": "user",
+                                                            "content": "mine"})
+    recorder.record(ALICE, response=answer(0), previous_response_id=None, raw_input=[shared, user("a")],
+                    stored_upstream=False)
+    recorder.record(ALICE, response=answer(1), previous_response_id="resp_0", raw_input=[mine], stored_upstream=False)
+    recorder.record(ALICE, response=answer(2, "other"), previous_response_id=None, raw_input=[shared, user("b")],
+                    stored_upstream=False)  # another conversation, opening alike
+    records.apply(recorder)
+    one = await recorder.turn(ALICE, "resp_1", records.get)
+    before = set(records.tables[ITEMS])
+    deleting = History()  # another process: what it removes, it reads from the store
+    assert await deleting.delete(ALICE, "resp_1", records.get)
+    records.apply(deleting)
+    assert before - set(records.tables[ITEMS]) == {*one.body.input, *one.body.output}
+    assert not {ALICE.item_id_key("msg_c"), ALICE.item_id_key("msg_1")} & set(records.tables[ITEM_IDS])
+    assert await deleting.delete(ALICE, "resp_2", records.get)  # full history: its input is shared by content
+    records.apply(deleting)
+    assert ALICE.item_key(exact_digest(shared)) in records.tables[ITEMS]
+    assert ALICE.item_key(exact_digest(user("b"))) in records.tables[ITEMS]  # expires: no turn says it is its own
+    assert [json.loads(i) for i in await History().context(ALICE, "resp_0", records.get)] == \
+        [json.loads(shared), {"role": "user", "content": "a"}, answer(0)["output"][0]]
+    assert await History().referenced(ALICE, ["msg_0"], records.get)  # a living turn's ids stay
+
+
+async def test_references_resolve_to_input_items_that_carried_an_id():
+    recorder, records = History(), Records()
+    mine = raw({"type": "function_call_output", "id": "fco_c", "call_id": "call_1", "output": "21C"})
+    recorder.record(ALICE, response=answer(0), previous_response_id=None,
+                    raw_input=[user("a"), mine, raw({"type": "item_reference", "id": "msg_elsewhere"})],
+                    stored_upstream=False)
+    records.apply(recorder)
+    found = await History().referenced(ALICE, ["fco_c", "msg_elsewhere", "msg_0"], records.get)
+    assert found.keys() == {"fco_c", "msg_0"} and found["fco_c"] == mine  # a reference is never an item
+    assert await History().referenced(BOB, ["fco_c"], records.get) == {}
 
 
 async def test_a_delete_through_another_process_holds_here_at_once():

@@ -51,21 +51,22 @@ def end_still_to_come(flow: http.HTTPFlow) -> bool:
     return "content-length" not in flow.response.headers or not flow.request.http_version.startswith("HTTP/1")
 
 
-def keep_end_for_hooks(flow: http.HTTPFlow) -> bool:
+def keep_end_for_hooks(flow: http.HTTPFlow) -> None:
     """Make the client wait for this answer's end until the response hooks
     are done, so that what they write is durable before the client holds the
     whole answer. An HTTP/1.1 answer with a Content-Length goes chunked instead
-    (the body's bytes unchanged: the terminating chunk follows the hooks);
-    HTTP/2 and HTTP/3 streams end after the hooks anyway. False where it cannot
-    (an HTTP/1.0 client has no chunked framing)."""
+    (the body's bytes unchanged: the terminating chunk follows the hooks); to
+    an HTTP/1.0 client, which has no chunked framing, it goes without a length
+    and the connection's close ends it, after the hooks. HTTP/2 and HTTP/3
+    streams end after the hooks anyway."""
     if end_still_to_come(flow):
-        return True
+        return
     assert flow.response is not None
-    if flow.request.http_version != "HTTP/1.1":
-        return False
     del flow.response.headers["content-length"]
-    flow.response.headers["transfer-encoding"] = "chunked"
-    return True
+    if flow.request.http_version == "HTTP/1.1":
+        flow.response.headers["transfer-encoding"] = "chunked"
+    else:
+        flow.response.headers["connection"] = "close"
 
 
 T = TypeVar("T")

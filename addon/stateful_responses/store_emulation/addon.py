@@ -17,6 +17,10 @@ the field.
   recorded response are answered from the record. Ids it never recorded go
   upstream untouched.
 
+In either mode a DELETE of a recorded response deletes the record's copy and
+goes upstream too (the upstream may hold one); it is answered as done only
+once the store took it.
+
 A turn is recorded only if the client did not send ``store: false``, and its
 answer reaches the client whole only once the record is written (bounded by
 ``RECORD_WAIT``). An expanded request then goes through forward mode like any
@@ -109,7 +113,8 @@ class _Flow:
     record_turn: bool = True  # False: the client sent store: false
     moved: bool = False  # routed away from the upstream that holds the chain
     expanded: bytes | None = None  # the body sent instead, chain expanded
-    deleting: Turn | None = None  # a DELETE of this recorded turn, also sent upstream
+    deleting: str | None = None  # a DELETE of this id, which the record holds or may hold, sent upstream too
+    deletion_queued: bool = False  # the record's deletion went to the store (``written``)
     reader: AnswerReader | None = None
     recorded: bool = False
     written: asyncio.Future | None = field(default=None, repr=False)
@@ -126,6 +131,12 @@ def _not_found(response_id: str) -> http.Response:
 
 def _deleted(response_id: str) -> http.Response:
     return _json_response(200, {"id": response_id, "object": "response", "deleted": True})
+
+
+def _not_deleted(response_id: str) -> http.Response:
+    return _json_response(503, {"error": {"message": f"Response with id '{response_id}' could not be deleted: the "
+                                          "proxy's store is unavailable. Try again.", "type": "server_error",
+                                          "param": None, "code": None}})
 
 
 def _names_the_refusal(body: bytes, response_id: str) -> bool:
@@ -369,49 +380,79 @@ class StoreEmulation:
         upstream = f"{url.scheme}://{url.netloc}{match['base']}"
         scope, label = self.tenancy.scope(upstream, credential)
         record = _Flow(tenant, credential, scope, label, upstream, response_id, [], flow.request.copy())
+        if method == "DELETE":
+            await self._delete(flow, record)
+            return
         if self.mode != "always" and not self.upstreams.cannot_continue(scope):
-            if method == "DELETE":
-                # The upstream deletes its copy; ours must go too, or a later
-                # refusal would bring the deleted response back from the record.
-                self._flows.put(flow, record)
-                flow.metadata[EMULATION] = {"delete": response_id}
             return
         try:
-            turn = await self.history.turn(tenant, response_id, self.state.get_strict, fresh=True)
-            if turn is None and await self.state.learn_secrets():  # written under a secret new to this replica?
-                tenant = record.tenant = self._tenant(credential)
-                turn = await self.history.turn(tenant, response_id, self.state.get_strict, fresh=True)
+            turn = await self._target(record)
+            if turn is None:
+                return  # never recorded here: the upstream's to answer
+            if turn.header.status != "completed":
+                answer = _not_found(response_id)  # deleted through the proxy
+            elif listing:
+                answer = await self._input_items(record.tenant, turn, dict(parse_qsl(url.query)))
+            else:
+                output = await self.history.output_items(record.tenant, turn, self.state.get_strict)
+                answer = http.Response.make(200, response_json(turn, output), {"Content-Type": "application/json"})
         except StorageError:
             return  # the record is out of reach: ask the upstream
-        if turn is None:
-            return  # never recorded here: the upstream's to answer
-        if turn.header.status != "completed":
-            flow.response = _not_found(response_id)  # deleted through the proxy
-        elif method == "DELETE":
-            await self._delete(flow, record, turn)
-            return
-        elif listing:
-            flow.response = await self._input_items(tenant, turn, dict(parse_qsl(url.query)))
-        else:
-            output = await self.history.output_items(tenant, turn, self.state.get_strict)
-            flow.response = http.Response.make(200, response_json(turn, output), {"Content-Type": "application/json"})
+        flow.response = answer
         flow.comment = f"emulated: {method} {response_id} answered from the record"
 
-    async def _delete(self, flow: http.HTTPFlow, record: _Flow, turn: Turn) -> None:
-        """Delete a recorded response: ours at once; the upstream's too where
-        it stored the response itself (the DELETE then goes on, and its
-        answer is the client's unless the upstream had forgotten it)."""
-        response_id = turn.body.response_id
-        await self.history.delete(record.tenant, response_id, self.state.get_strict)
-        await self.state.written(self.state.flush())
-        flow.metadata[EMULATION] = {"deleted": response_id}
-        if turn.header.stored_upstream:
-            record.deleting = turn
-            self._flows.put(flow, record)
-            flow.comment = f"emulated: DELETE {response_id} deleted from the record, and sent upstream"
-        else:
+    async def _target(self, record: _Flow) -> Turn | None:
+        """The recorded turn a GET or DELETE names, as the store has it (None:
+        never recorded, or gone); StorageError when the store cannot say."""
+        assert record.previous_response_id is not None
+        turn = await self.history.turn(record.tenant, record.previous_response_id, self.state.get_strict, fresh=True)
+        if turn is None and await self.state.learn_secrets():  # written under a secret new to this replica?
+            record.tenant = self._tenant(record.credential)
+            turn = await self.history.turn(record.tenant, record.previous_response_id, self.state.get_strict,
+                                           fresh=True)
+        return turn
+
+    async def _delete(self, flow: http.HTTPFlow, record: _Flow) -> None:
+        """Delete a response wherever it may live, in either mode: the record's
+        copy, and the upstream's (every recorded turn went there with store on,
+        so the DELETE goes on whatever its answer said). Where the store took
+        the deletion, the client's answer is the record's ("deleted"), else
+        see ``_answer_delete``. An id never recorded is the upstream's alone."""
+        response_id = record.previous_response_id
+        assert response_id is not None
+        try:
+            turn = await self._target(record)
+            if turn is None:
+                return
+            if turn.header.status != "completed":
+                flow.response = _not_found(response_id)  # deleted through the proxy
+                flow.comment = f"emulated: DELETE {response_id} answered from the record"
+                return
+            await self.history.delete(record.tenant, response_id, self.state.get_strict)
+            record.written, record.deletion_queued = self.state.flush(), True
+        except StorageError:
+            pass  # the store cannot say whether it holds the response: it may
+        record.deleting = response_id
+        self._flows.put(flow, record)
+        flow.comment = f"emulated: DELETE {response_id} sent upstream too"
+
+    async def _answer_delete(self, flow: http.HTTPFlow, record: _Flow) -> None:
+        """The client's answer to a DELETE the record holds, or may hold: the
+        record's own once its deletion is durable (ANSWER_WAIT at most),
+        whatever the upstream said (it may never have stored the response, or
+        forgot it). A deletion the store did not take is never answered as
+        done: an upstream's "deleted" or "not found" becomes the proxy's 503
+        (SDKs retry it); any other answer is the upstream's own."""
+        assert flow.response is not None and record.deleting is not None
+        response_id, status = record.deleting, flow.response.status_code
+        if record.deletion_queued and await self.state.written(record.written, ANSWER_WAIT):
             flow.response = _deleted(response_id)
-            flow.comment = f"emulated: DELETE {response_id} answered from the record"
+            flow.metadata[EMULATION] = {"deleted": response_id}
+            flow.comment = f"emulated: DELETE {response_id} deleted from the record (the upstream answered {status})"
+        elif status < 300 or status == 404:
+            flow.response = _not_deleted(response_id)
+            flow.metadata[EMULATION] = {"not_deleted": response_id}
+            flow.comment = f"emulated: DELETE {response_id} not taken by the store (the upstream answered {status})"
 
     async def _input_items(self, tenant: Tenant, turn: Turn, query: dict[str, str]) -> http.Response:
         """The API's list: every item the response was generated from (its
@@ -458,11 +499,11 @@ class StoreEmulation:
             return
         try:
             status = flow.response.status_code
-            if self._retryable(flow, record) and 400 <= status < 500 and status not in TRANSIENT_STATUSES:
+            if record.deleting is not None or \
+                    self._retryable(flow, record) and 400 <= status < 500 and status not in TRANSIENT_STATUSES:
                 hold(flow)  # the response hook may replace it
                 return
-            if status >= 300 or record.recorded or not record.record_turn or flow.metadata.get(HELD) \
-                    or record.deleting is not None or "delete" in flow.metadata.get(EMULATION, {}):
+            if status >= 300 or record.recorded or not record.record_turn or flow.metadata.get(HELD):
                 return
             reader = record.reader = AnswerReader(flow.response.headers.get("content-type", ""),
                                                   flow.response.headers.get("content-encoding", ""),
@@ -492,11 +533,7 @@ class StoreEmulation:
                 retried_here = True
                 await self._retry_expanded(flow, record)
             elif record.deleting is not None:
-                if flow.response.status_code == 404:  # the upstream had forgotten it; the proxy's copy is gone
-                    flow.response = _deleted(record.deleting.body.response_id)
-            elif "delete" in flow.metadata.get(EMULATION, {}) and flow.response.status_code < 300:
-                await self.history.delete(record.tenant, flow.metadata[EMULATION]["delete"], self.state.get_strict)
-                record.written = self.state.flush()
+                await self._answer_delete(flow, record)
             elif not record.recorded and flow.response.status_code < 300 and record.record_turn:
                 if flow.response.raw_content is not None:
                     record.reader = None  # buffered: read it whole
@@ -505,7 +542,7 @@ class StoreEmulation:
             pass  # the record is out of reach: what the upstream did stands
         except Exception:
             internal_error(self.counters, "emulating the store")
-        if client is not flow or retried_here or not flow.metadata.get(HELD):
+        if client is not flow or retried_here or not flow.metadata.get(HELD) or record.deleting is not None:
             self._flows.pop(client)  # else another addon retries it next, and its retry records
         if end_still_to_come(flow):
             await self.state.written(record.written, RECORD_WAIT)
@@ -516,9 +553,8 @@ class StoreEmulation:
 
     def _retryable(self, flow: http.HTTPFlow, record: _Flow) -> bool:
         """A client's own previous_response_id sent as it is (auto mode)."""
-        return (flow.metadata.get(RETRY_OF) is None and record.expanded is None and record.deleting is None
-                and record.previous_response_id is not None and "delete" not in flow.metadata.get(EMULATION, {})
-                and flow.request.method.upper() == "POST")
+        return (flow.metadata.get(RETRY_OF) is None and record.expanded is None
+                and record.previous_response_id is not None and flow.request.method.upper() == "POST")
 
     async def _retry_expanded(self, flow: http.HTTPFlow, record: _Flow) -> None:
         """The upstream refused the client's previous_response_id (it forgot

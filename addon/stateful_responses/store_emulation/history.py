@@ -106,18 +106,23 @@ class History:
                 if base is not None:
                     start = k
                     break
+        # A continuation's input and every output are this turn's own: no
+        # other turn can hold them, so they go with it (see ``delete``). A
+        # full-history turn's input is history that other turns resend: shared
+        # by content.
+        own_input = response_id if previous_response_id is not None else None
+        turn_key = tenant.turn_key(response_id)
         size = 0
         input_keys = []
         for raw, digest in zip(raw_input[start:], digests[start:], strict=True):
-            input_keys.append(self._item(tenant, raw, digest))
+            input_keys.append(key := self._item(tenant, raw, digest, own_input))
             size += len(raw)
+            self._index(tenant, _item_id(raw), turn_key + key)
         output_keys = []
         for raw, item in zip(output, response.get("output") or [], strict=True):
-            output_keys.append(key := self._item(tenant, raw, exact_digest(raw)))
+            output_keys.append(key := self._item(tenant, raw, exact_digest(raw), response_id))
             size += len(raw)
-            if isinstance(item, dict) and isinstance(item.get("id"), str):  # keyed hashes both: nothing to seal
-                self._outbox.append(Write(ITEM_IDS, tenant.item_id_key(item["id"]),
-                                          tenant.turn_key(response_id) + key, self.ttl))
+            self._index(tenant, item.get("id") if isinstance(item, dict) else None, turn_key + key)
         shell = {k: v for k, v in response.items() if k != "output"}
         body = TurnBody(response_id, previous_response_id, base, input_keys, output_keys, _ENCODE(shell))
         fingerprint_of = (previous_response_id, rolling[-1] if rolling else b"", output_keys)
@@ -144,14 +149,20 @@ class History:
         self._outbox.append(Write(TURNS, key, record, self.ttl, merge=conflict, label=response_id))
         return self._relied_on(tenant, response_id, [d for d in (previous_response_id, base) if d is not None])
 
-    def _item(self, tenant: Tenant, raw: bytes, digest: bytes) -> bytes:
-        """Record one item. Written again even when memory knows it: another
-        conversation may hold the same item, and this turn must keep it as
-        long as it lives."""
-        key = tenant.item_key(digest)
+    def _item(self, tenant: Tenant, raw: bytes, digest: bytes, owner: str | None) -> bytes:
+        """Record one item (``owner``: the turn whose own it is). Written again
+        even when memory knows it: another turn may hold the same shared item,
+        and this turn must keep it as long as it lives."""
+        key = tenant.item_key(digest, owner)
         self.items.put(key, raw)
         self._outbox.append(Write(ITEMS, key, tenant.seal(raw, key), self.ttl))
         return key
+
+    def _index(self, tenant: Tenant, item_id: object, where: bytes) -> None:
+        """An item with an id can be named by an ``item_reference``: where it
+        is (its turn's key and its own; keyed hashes both: nothing to seal)."""
+        if isinstance(item_id, str) and item_id:
+            self._outbox.append(Write(ITEM_IDS, tenant.item_id_key(item_id), where, self.ttl))
 
     def _relied_on(self, tenant: Tenant, response_id: str, dependencies: list[str]) -> list[str]:
         """A turn relies on the turn it continues and the one whose input it
@@ -205,7 +216,9 @@ class History:
         """A client deleted the response: it is never retrieved or continued
         from again. What other turns rely on stays, for them only (the record
         keeps its input and output, not the response object); a turn nothing
-        relies on goes whole. False when nothing (living) was recorded."""
+        relies on goes with its own items and the item ids naming them (a
+        full-history turn's input, shared by content, expires). False when
+        nothing (living) was recorded."""
         turn = await self.turn(tenant, response_id, get, as_target=True)
         if turn is None:
             return False
@@ -214,12 +227,34 @@ class History:
             self._outbox.append(Write(TURNS, turn.key, tenant.deleted(turn.header, turn.body, turn.key), self.ttl))
         else:
             self._outbox.append(Write(TURNS, turn.key, None))
+            await self._remove_own(tenant, turn, get)
         self.turns.pop(turn.key, None)
         self.contexts.pop((tenant.tag, response_id), None)
         self.renewed.pop((tenant.tag, response_id), None)
         for where in [k for k, v in self.inputs.items() if k[0] == tenant.tag and v == response_id]:
             del self.inputs[where]
         return True
+
+    async def _remove_own(self, tenant: Tenant, turn: Turn, get: GetRecords) -> None:
+        """Remove a turn's own items (those under keys of its own: an item
+        shared by content may be another turn's too) and the item ids that
+        still name it."""
+        keys = list(dict.fromkeys((*turn.body.input, *turn.body.output)))
+        items = {k: v for k in keys if (v := self.items.get(k)) is not None}
+        for key, sealed in (await get(ITEMS, [k for k in keys if k not in items])).items():
+            if (raw := tenant.open(sealed, key)) is not None:
+                items[key] = raw
+        recorder, response_id = tenant.recorder(turn.body.response_id, turn.key), turn.body.response_id
+        id_keys: dict[bytes, bytes] = {}
+        for key, raw in items.items():
+            if key == recorder.item_key(exact_digest(raw), response_id):
+                self._outbox.append(Write(ITEMS, key, None))
+                self.items.pop(key, None)
+            if (item_id := _item_id(raw)) is not None:
+                id_keys.update(dict.fromkeys(tenant.item_id_keys(item_id), key))
+        for id_key, where in (await get(ITEM_IDS, list(id_keys))).items():
+            if where == turn.key + id_keys[id_key]:
+                self._outbox.append(Write(ITEM_IDS, id_key, None))
 
     # -- reading -------------------------------------------------------------------
 
@@ -322,8 +357,10 @@ class History:
         return await self._items(tenant, keys, get, turn.body.response_id)
 
     async def referenced(self, tenant: Tenant, item_ids: Sequence[str], get: GetRecords) -> dict[str, bytes]:
-        """The recorded output items ``item_ids`` name (an ``item_reference``),
-        by id; ids of no recorded item, or of a response since deleted, are left out."""
+        """The recorded items ``item_ids`` name (an ``item_reference``): outputs,
+        and input items that carried an id (the one recorded last, when several
+        did), by id; ids of no recorded item, or of a response since deleted,
+        are left out."""
         keys = {key: item_id for item_id in dict.fromkeys(item_ids) for key in tenant.item_id_keys(item_id)}
         owners: dict[str, tuple[bytes, bytes]] = {}  # item id -> (its turn's key, its own key)
         for key, value in (await get(ITEM_IDS, list(keys))).items():
@@ -371,6 +408,30 @@ class History:
             raise ChainError("session_chain_unavailable",
                              f"Items of the chain ending at '{asked}' are no longer available.", asked)
         return [found[k] for k in keys]
+
+
+class _Named(msgspec.Struct):
+    id: Any = None
+    type: Any = None
+    role: Any = None
+
+
+_NAMED = msgspec.json.Decoder(_Named)
+
+
+def _item_id(raw: bytes) -> str | None:
+    """The id an item carries (a client's own ``msg_…``, ``fco_…``, an output
+    echoed back), never the id a reference names."""
+    if b'"id"' not in raw:
+        return None
+    try:
+        item = _NAMED.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if not isinstance(item.id, str) or not item.id or item.type == "item_reference" \
+            or (item.type is None and item.role is None):
+        return None
+    return item.id
 
 
 def _rolling(digests: Sequence[bytes]) -> list[bytes]:

@@ -98,9 +98,12 @@ class Tenant:
         """Where a turn may be recorded: under the current secret, then the older ones."""
         return [self.turn_key(response_id), *(older.turn_key(response_id) for older in self.older)]
 
-    def item_key(self, raw_item: bytes) -> bytes:
-        """Content address of one item's exact bytes, in this tenant only."""
-        return blake3(self.tag + b"item\x00" + raw_item, key=self._secret).digest(KEY_SIZE)
+    def item_key(self, digest: bytes, owner: str | None = None) -> bytes:
+        """Where one item (the digest of its exact bytes) is, in this tenant
+        only: by content alone, shared by every turn that holds those bytes;
+        with ``owner`` (a response id), that turn's own, which goes with it."""
+        scope = b"" if owner is None else owner.encode("utf-8", "surrogatepass") + b"\x00"
+        return blake3(self.tag + b"item\x00" + scope + digest, key=self._secret).digest(KEY_SIZE)
 
     def item_id_key(self, item_id: str) -> bytes:
         """Where the item an ``item_reference`` names is found, in this tenant only."""
@@ -151,9 +154,13 @@ class Tenant:
         their chains need (its input and output), sealed again under the
         secret ``key`` was made with, without the response object; never
         retrieved or continued from again."""
-        sealer = next((t for t in (self, *self.older) if t.turn_key(body.response_id) == key), self)
         kept = msgspec.structs.replace(body, response=b"{}")
-        return _ENCODE(msgspec.structs.replace(header, status="deleted", sealed=sealer.seal(_ENCODE(kept), key)))
+        sealed = self.recorder(body.response_id, key).seal(_ENCODE(kept), key)
+        return _ENCODE(msgspec.structs.replace(header, status="deleted", sealed=sealed))
+
+    def recorder(self, response_id: str, key: bytes) -> Tenant:
+        """This credential under the secret the turn at ``key`` was recorded with."""
+        return next((t for t in (self, *self.older) if t.turn_key(response_id) == key), self)
 
     def open_turn(self, response_id: str, key: bytes, record: bytes) -> tuple[TurnHeader, TurnBody] | None:
         """A recorded turn (``key`` is its ``turn_key``), or None: unreadable,
