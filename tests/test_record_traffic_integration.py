@@ -17,7 +17,7 @@ from google.genai import types as genai_types
 from mitmproxy import io
 from protocols_support import Stub
 from stateful_responses.emulator import Emulator
-from test_emulator_protocols import chat_turn
+from test_emulator_protocols import anthropic_turn, chat_turn, gemini_turn
 from test_record_integration import wait_for_lines
 
 
@@ -305,6 +305,47 @@ def test_identical_chat_openings_go_on_from_the_turns_still_at_their_tips(emulat
     assert_one_linked_chain([two_1, two_2])
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "sse"])
+def test_identical_anthropic_openings_go_on_from_the_turns_still_at_their_tips(emulator, start_proxy, tmp_path,
+                                                                               streamed):
+    record_file = tmp_path / "records.jsonl"
+    proxy = start_proxy(emulator.url, "--set", f"stateful_record_file={record_file}")
+    client = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant", max_retries=0,
+                                 http_client=httpx.Client(trust_env=False))
+    histories: list[list] = [[{"role": "user", "content": "hello"}], [{"role": "user", "content": "hello"}]]
+    for n, text in ((0, "one"), (1, "two"), (0, "one again"), (1, "two again")):
+        history = histories[n]
+        history += [{"role": "assistant", "content": anthropic_turn(client, history, streamed).content},
+                    {"role": "user", "content": text}]
+    client.close()
+    wait_for_lines(record_file, 4)
+    one_1, two_1, one_2, two_2 = records(record_file)
+    assert one_1["chainId"] != two_1["chainId"]
+    assert_one_linked_chain([one_1, one_2])
+    assert_one_linked_chain([two_1, two_2])
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "sse"])
+def test_identical_gemini_openings_go_on_from_the_turns_still_at_their_tips(emulator, start_proxy, tmp_path,
+                                                                            streamed):
+    record_file = tmp_path / "records.jsonl"
+    proxy = start_proxy(emulator.url, "--set", f"stateful_record_file={record_file}")
+    client = genai.Client(api_key="g-key", http_options=genai_types.HttpOptions(
+        base_url=proxy.url, retry_options=genai_types.HttpRetryOptions(attempts=1)))
+    histories: list[list] = [[genai_types.Content(role="user", parts=[genai_types.Part(text="hello")])]
+                             for _ in range(2)]
+    for n, text in ((0, "one"), (1, "two"), (0, "one again"), (1, "two again")):
+        history = histories[n]
+        history += [gemini_turn(client, history, streamed),
+                    genai_types.Content(role="user", parts=[genai_types.Part(text=text)])]
+    client.close()
+    wait_for_lines(record_file, 4)
+    one_1, two_1, one_2, two_2 = records(record_file)
+    assert one_1["chainId"] != two_1["chainId"]
+    assert_one_linked_chain([one_1, one_2])
+    assert_one_linked_chain([two_1, two_2])
+
+
 # -- keyed digests --------------------------------------------------------------------
 
 def test_tool_result_digests_agree_across_proxies_of_one_store_and_no_other(emulator, start_proxy, tmp_path):
@@ -326,3 +367,4 @@ def test_tool_result_digests_agree_across_proxies_of_one_store_and_no_other(emul
         digests.append(outputs[0]["digest"])
         assert '"temp"' not in record_file.read_text()
     assert digests[0] == digests[1] != digests[2]
+
