@@ -49,7 +49,7 @@ __all__ = ["APIError", "Faults", "ResponsesModel", "SocketSession", "canonical",
 
 RESPONSES = "openai-responses"  # the log's ``protocol`` for this API
 # The faults the other APIs take; the rest are about Responses' own semantics.
-CONVERSATION_FAULTS = frozenset({"status", "reset", "html", "cut"})
+CONVERSATION_FAULTS = frozenset({"status", "reset", "html", "cut", "end"})
 # The faults only a WebSocket turn takes; an HTTP request leaves them queued.
 SOCKET_ONLY_FAULTS = frozenset({"ws_close", "ws_error"})
 SOCKET_FAULTS = frozenset({"reject", "status", "failed", "incomplete", "stream_error"}) | SOCKET_ONLY_FAULTS

@@ -276,8 +276,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(200, answer)
         else:
             content_type, frames = api.stream(conversation, answer)
-            self._stream(api.answer_id(answer), frames, content_type,
-                         cut_after=fault.get("after_events") if kind == "cut" else None)
+            self._stream(api.answer_id(answer), frames, content_type, fault)
 
     def _create(self, body: bytes) -> None:
         parsed = _parsed(body)
@@ -302,7 +301,7 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 events = sse_events(response, fault.get("terminal_event"), obfuscation=obfuscation)
             self._stream(response["id"], (encode_event(event) for event in events), "text/event-stream; charset=utf-8",
-                         cut_after=fault.get("after_events") if kind == "cut" else None)
+                         fault)
 
     def _follow_background(self, credential: str, queued: dict, obfuscation: bool) -> Iterator[dict]:
         """A streamed background response's events: created and queued at once,
@@ -332,10 +331,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.connection.close()
         self.close_connection = True
 
-    def _stream(self, response_id: str, frames: Iterable[bytes], content_type: str, cut_after: int | None) -> None:
+    def _stream(self, response_id: str, frames: Iterable[bytes], content_type: str, fault: dict | None) -> None:
         """Send ``frames`` as they come, chunked (gzipped when set), pausing
-        ``slow_ms`` after each; ``cut_after`` resets the connection after that many."""
+        ``slow_ms`` after each; after ``after_events`` of them a ``cut`` fault
+        resets the connection, an ``end`` fault ends the stream there."""
         faults = self.model.faults
+        kind, after = (fault or {}).get("kind"), (fault or {}).get("after_events", 0)
         compress = zlib.compressobj(wbits=16 + zlib.MAX_WBITS) if faults.gzip else None
         self.send_response(200)
         self.send_header("content-type", content_type)
@@ -354,9 +355,11 @@ class _Handler(BaseHTTPRequestHandler):
 
         sent = bytearray()
         for n, data in enumerate(frames):
-            if cut_after is not None and n >= cut_after:
+            if kind == "cut" and n >= after:
                 self._reset_connection()
                 return
+            if kind == "end" and n >= after:
+                break
             sent += data
             self.model.record_stream(response_id, bytes(sent))
             chunk(data)
