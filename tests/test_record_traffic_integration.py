@@ -1,6 +1,6 @@
 """The continuation record through real mitmdump when traffic is untidy, with
-the real SDKs: retried failures, a refused continuation retried invisibly, a
-failover, tool outputs between their calls, Gemini's automatic function
+the real SDKs: retried failures, a stream that stopped before its end and was
+sent again, a refused continuation retried invisibly, a failover, tool outputs between their calls, Gemini's automatic function
 calling, identical openings, a paused server tool loop, and tool-result
 digests keyed with the store's secret. Each conversation keeps one chain."""
 
@@ -95,6 +95,68 @@ def test_a_chat_conversation_keeps_its_chain_across_retried_5xx(emulator, start_
     assert len({t["chainId"] for t in turns}) == 1
     assert_one_linked_chain(turns[1::2])  # the answered ones; each failed one before them is a dead end
 
+
+def _stopped_early_then_sent_again(protocol: str, base_url: str, emulator) -> None:
+    """Three streamed turns through the protocol's own SDK; the second's stream
+    ends before its stop reason, and the client sends that request again."""
+    if protocol == "openai-chat":
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="sk-chat", max_retries=0,
+                               http_client=httpx.Client(trust_env=False))
+
+        def turn(history: list) -> tuple[object, bool]:
+            choice = chat_turn(client, history, streamed=True)
+            return choice.message, choice.finish_reason is not None
+
+        def said(text: str) -> dict:
+            return {"role": "user", "content": text}
+    elif protocol == "anthropic-messages":
+        client = anthropic.Anthropic(base_url=base_url, api_key="sk-ant", max_retries=0,
+                                     http_client=httpx.Client(trust_env=False))
+
+        def turn(history: list) -> tuple[object, bool]:
+            message = anthropic_turn(client, history, streamed=True)
+            return {"role": "assistant", "content": message.content}, message.stop_reason is not None
+
+        def said(text: str) -> dict:
+            return {"role": "user", "content": text}
+    else:
+        client = genai.Client(api_key="g-key", http_options=genai_types.HttpOptions(
+            base_url=base_url, retry_options=genai_types.HttpRetryOptions(attempts=1)))
+
+        def turn(history: list) -> tuple[object, bool]:
+            chunks = list(client.models.generate_content_stream(model="gemini-x", contents=history))
+            text = "".join(chunk.text or "" for chunk in chunks)
+            content = genai_types.Content(role="model", parts=[genai_types.Part(text=text)])
+            return content, chunks[-1].candidates[0].finish_reason is not None
+
+        def said(text: str) -> genai_types.Content:
+            return genai_types.Content(role="user", parts=[genai_types.Part(text=text)])
+    history: list = [said("hello")]
+    for n in range(3):
+        if n == 1:
+            emulator.model.control({"fail_next": [{"kind": "end", "after_events": 2, "protocol": protocol}]})
+        answer, ended = turn(history)
+        if n == 1:
+            assert not ended  # the SDK hands over what came; the client sees no stop reason and asks again
+            answer, ended = turn(history)
+        assert ended
+        history += [answer, said(f"turn {n + 1}")]
+    client.close()
+
+
+@pytest.mark.parametrize("protocol", ["openai-chat", "anthropic-messages", "gemini-chat"])
+def test_a_stream_that_stopped_before_its_end_and_was_sent_again_keeps_the_chain(emulator, start_proxy, tmp_path,
+                                                                                 protocol):
+    record_file = tmp_path / "records.jsonl"
+    proxy = start_proxy(emulator.url, "--set", f"stateful_record_file={record_file}")
+    _stopped_early_then_sent_again(protocol, proxy.url, emulator)
+    log = emulator.model.snapshot_log()
+    assert [r["fault"] for r in log] == [None, "end", None, None] and log[1]["context"] == log[2]["context"]
+    wait_for_lines(record_file, 4)
+    first, stopped, retry, last = records(record_file)
+    assert len({t["chainId"] for t in (first, stopped, retry, last)}) == 1, "a stopped stream is a dead end"
+    assert_one_linked_chain([first, retry, last])
+    assert stopped["previousTurnId"] == retry["previousTurnId"] == first["turnId"]
 
 def test_a_continuation_the_upstream_refused_and_the_addon_retried_keeps_its_answer_and_chain(emulator,
                                                                                               start_proxy, tmp_path):
