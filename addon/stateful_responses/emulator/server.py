@@ -201,7 +201,15 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             route = self._route("GET", "response", "input_items")
-            if route.endpoint == "input_items":
+            listing = route.endpoint == "input_items"
+            fault = self.model.endpoint_fault("input_items" if listing else "retrieve") or {}
+            if fault.get("kind") == "stall":  # a slow answer: it comes, late
+                time.sleep(fault.get("ms", 0) / 1000)
+            elif fault.get("kind") == "status":
+                raise errors.server_error(fault.get("status", 500))
+            if listing and self.model.faults.input_items == "absent":
+                raise errors.invalid_url("GET", self.path)
+            if listing:
                 self._send_json(200, self.model.list_input_items(self._credential(), route.response_id, route.query))
             else:
                 self._send_json(200, self.model.retrieve(self._credential(), route.response_id))
