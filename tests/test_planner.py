@@ -433,7 +433,7 @@ def test_a_continuation_whose_answer_does_not_echo_the_id_is_not_built_upon():
     nxt = conv + assistant_output(1) + [{"role": "user", "content": "y"}]
     plan = planner.plan(request(nxt))
     assert plan.action == "continue"
-    assert planner.settle(plan, 200, _answer("resp_2", store=True)).kind == "ignored"
+    assert planner.settle(plan, 200, _answer("resp_2", store=True)).kind == "unverified"  # its input items tell
     third = nxt + assistant_output(1) + [{"role": "user", "content": "z"}]
     assert planner.plan(request(third)).previous_response_id == "resp_1"
     null_echo = planner.plan(request(third))

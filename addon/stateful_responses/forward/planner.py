@@ -352,8 +352,11 @@ class Planner:
             self._forget_parent(plan)
             return Outcome("dropped", f"response status {status!r}", rid if isinstance(rid, str) else None)
         if plan.action == "continue" and echoed is _ABSENT:
-            # An upstream that ignores the field and echoes nothing looks the same.
-            return Outcome("ignored", "the answer does not echo previous_response_id: it proves nothing", rid)
+            # An upstream that ignores the field and echoes nothing looks the same: its input items tell.
+            if self.upstreams.has("honours_previous", plan.scope):
+                return Outcome("ignored", "the answer does not echo previous_response_id: it proves nothing", rid)
+            return Outcome("unverified", "the answer does not echo previous_response_id: nothing is built on it "
+                           "until the upstream shows it read the chain", rid)
         stored = response.get("store")
         if not isinstance(stored, bool):
             if not self.upstreams.has("honours_previous", plan.scope):
