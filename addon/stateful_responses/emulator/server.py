@@ -30,6 +30,7 @@ import json
 import re
 import socket
 import ssl
+import sys
 import threading
 import time
 import zlib
@@ -399,6 +400,11 @@ class _Server(ThreadingHTTPServer):
         self._sockets: set[ResponsesSocket] = set()
         self._sockets_lock = threading.Lock()
         self._stopping = False
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client gone before its answer came (one that gave up waiting) is no error of the server's."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
     @contextmanager
     def serving(self, ws: ResponsesSocket) -> Iterator[None]:
