@@ -49,6 +49,9 @@ class Plan:
     forced_store: bool = False  # we set store: true where the client had not
     client_bytes: int = 0
     client_previous_response_id: str | None = None  # the client's own continuation, watched for its echo
+    # A continuation the upstream + credential has not yet shown it honours, in store emulation's always mode:
+    # its answer is held and checked, and the client's full body goes again unless it was made from the chain.
+    checked: bool = False
     draft: _Draft | None = field(default=None, repr=False)  # what improving the plan from the store needs
     root: bytes = field(default=b"", repr=False)  # the namespace's root digest
 
@@ -268,6 +271,8 @@ class Planner:
             plan.previous_response_id = match.response_id
             plan.parent = match.digest
             plan.items_sent = plan.items_total - match.length
+            plan.checked = self.settings.emulate == "always" \
+                and not self.upstreams.has("honours_previous", plan.scope)
         if draft.force_store:
             changes["store"] = b"true"
         plan.body = splice(draft.request_body, draft.fields, changes) if changes else None
