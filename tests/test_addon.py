@@ -35,7 +35,7 @@ class Glue:
 
     def __init__(self, **options) -> None:
         self.addons = make_addons()
-        (self.options, self.state, self.record, self.router, self.conversations, _, self.emulation, self.bridge,
+        (self.options, self.state, self.record, self.router, _, self.conversations, self.emulation, self.bridge,
          self.forward, _, _,
          self.replays, _) = self.addons
         self.planner = self.forward.planner

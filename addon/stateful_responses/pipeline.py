@@ -47,9 +47,10 @@ def make_addons() -> list:
         Options(config),  # first: parses every option before the others configure
         state,
         record,  # lifts the client's own request, before any change
-        router,  # picks the upstream the next four plan for
+        router,  # picks the upstream the emulations, the bridge and forward mode plan for
+        # before store and conversation emulation: what replaces a checked continuation's answer is what they record
+        forward.checks,
         conversation_emulation,  # before store emulation: it records the expanded body
-        forward.checks,  # before store emulation: what a checked continuation's answer is replaced by is recorded
         emulation,  # before forward mode: it plans the expanded body
         # before forward mode: a flow it takes is answered over an upstream WebSocket, never rewritten
         WebSocketBridge(config, counters, tenancy, reader, upstreams, state, replays),
