@@ -474,8 +474,11 @@ def test_in_always_mode_a_continuation_is_checked_until_the_upstream_showed_it_h
     planner.config.update(dataclasses.replace(planner.settings, emulate="always"))
     checked = planner.plan(request(nxt))
     assert (checked.action, checked.checked) == ("continue", True)
+    unheld = planner.plan(request(nxt), checkable=False)  # an answer that must stream as it comes
+    assert (unheld.action, unheld.reason) == ("full", "full; a continuation to check, of an answer that cannot be held")
     planner.upstreams.mark("honours_previous", checked.scope)
     assert not planner.plan(request(nxt)).checked
+    assert planner.plan(request(nxt), checkable=False).action == "continue"
 
 
 def test_an_echo_in_another_spelling_proves_nothing_by_itself():

@@ -175,20 +175,21 @@ def test_always_mode_sends_full_history_again_where_the_checked_continuation_did
                in e["reason"] for e in audits[1]["preserved"]), audits[1]
 
 
-def test_always_mode_a_conversation_the_proxy_keeps_joins_the_answer_the_client_got(emulator, start_proxy):
-    """Streamed: a JSON answer that replaced a held one reaches the client
-    without its conversation named in it (store emulation names a held JSON
-    answer on the client's own flow only, for forward mode's retries of a
-    refusal too)."""
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_always_mode_never_sends_a_conversation_the_proxy_keeps_as_a_continuation_to_check(emulator, start_proxy,
+                                                                                          stream):
+    """Its answers name the conversation as they stream by: none can be held.
+    Full history goes until the upstream has shown elsewhere that it honours
+    the field."""
     from test_conversations_integration import converse, sdk
 
     emulator.model.control({"conversations": "absent", **IGNORES_UNSEEN})
     proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always", "--set", "stateful_debug=true")
     client = sdk(proxy)
     conversation = client.conversations.create(items=[{"role": "developer", "content": "be brief"}])
-    # each request checked there: the model saw the conversation then the input, and the conversation
-    # joined the answer the upstream gave to that, the one the client got
-    assert converse(client, emulator, conversation.id, TEXTS[:4], stream=True) == 4
+    # each request checked there: the model saw the conversation then the input, the conversation joined
+    # the answer, named in it
+    assert converse(client, emulator, conversation.id, TEXTS[:4], stream) == 4
     client.close()
-    assert sent_previous(creates(emulator)) == [False, True, False, False, False]  # the checked one sent again
-    assert proxy.output().count("retrying with the original body") == 1
+    assert sent_previous(creates(emulator)) == [False] * 4
+    assert "a continuation to check, of an answer that cannot be held" in proxy.output()

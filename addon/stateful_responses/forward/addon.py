@@ -22,6 +22,7 @@ from mitmproxy.utils import human
 
 from ..flows import (
     CLIENT_BODY,
+    CONVERSATION,
     DECISION,
     HELD,
     RETRY_OF,
@@ -223,7 +224,9 @@ class ForwardMode:
         instead of the client's, or None to send the client's."""
         retry_of = flow.metadata.get(RETRY_OF)
         client_body = original.raw_content or b""
-        plan = self.planner.plan(request_of(flow, original), rewrite=retry_of is None)
+        # A conversation the proxy keeps is named in each answer as it streams by: none can be held to be checked.
+        plan = self.planner.plan(request_of(flow, original), rewrite=retry_of is None,
+                                 checkable=CONVERSATION not in flow.metadata)
         if plan.upstream == "":
             return None  # not a Responses API request: no trace at all
         flow.metadata[DECISION] = _metadata(plan)
