@@ -1,7 +1,7 @@
 """Before anything relies on an upstream storing responses, ask it to read one
 back: ``GET …/responses/{id}`` with the credential that made it. And where a
 continuation's answer echoes its ``previous_response_id`` in another spelling
-(gateways re-encode ids), ask what the answer was made from:
+(gateways re-encode ids), or not at all, ask what the answer was made from:
 ``GET …/responses/{id}/input_items`` lists the chain's items too, or only the
 ones sent when the upstream ignored the field.
 
@@ -105,8 +105,8 @@ class Proofs:
     def start_echo(self, flow: http.HTTPFlow, scope: str, label: str, upstream: str, response_id: str,
                    items_sent: int) -> None:
         """Find out whether the continuation ``flow`` was just answered with
-        (``response_id``, its id echoing another spelling of the one sent) was
-        made from its chain, unless that is known or being found out."""
+        (``response_id``, echoing the id sent in another spelling, or none)
+        was made from its chain, unless that is known or being found out."""
         if self.upstreams.has("honours_previous", scope) or self.upstreams.cannot_continue(scope) \
                 or scope in self._running:
             return
