@@ -37,7 +37,7 @@ class Glue:
 
     def __init__(self, **options) -> None:
         self.addons = make_addons()
-        (self.options, self.state, self.record, self.router, self.conversations, self.emulation, self.bridge,
+        (self.options, self.state, self.record, self.router, _, self.conversations, self.emulation, self.bridge,
          self.forward, _, _, _,
          self.replays, _) = self.addons
         self.planner = self.forward.planner

@@ -424,6 +424,16 @@ def test_reset_html_and_cut_faults(emulator, protocol):
     assert [r["fault"] for r in emulator.model.snapshot_log()] == ["reset", "html", "cut"]
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_an_end_fault_ends_the_stream_early_as_a_whole_http_answer(emulator, protocol):
+    body, path = hello(protocol, stream=True)
+    status, whole = post(emulator, protocol, body, path=path)
+    emulator.model.control({"fail_next": [{"kind": "end", "after_events": 2}]})
+    status, ended = post(emulator, protocol, body, path=path)  # no transport error: the stream's end came
+    assert status == 200 and len(sse_data(ended)) == 2 < len(sse_data(whole))
+    log = emulator.model.snapshot_log()
+    assert [r["fault"] for r in log] == [None, "end"] and log[-1]["sse"] == ended
+
 def test_a_fault_waits_for_the_protocol_and_kind_it_applies_to(emulator):
     emulator.model.control({"fail_next": [{"kind": "failed"}, {"kind": "status", "protocol": "gemini-chat"}]})
     for protocol in ("openai-chat", "anthropic-messages", "gemini-chat"):

@@ -4,6 +4,8 @@ resolved from what is stored."""
 
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 from driver import TOOLS, httpx
@@ -252,3 +254,35 @@ def test_a_stateless_server_looks_no_reasoning_item_up(emulator):
     sent = [{"type": "reasoning", "id": "rs_never_stored", "summary": []}, {"role": "user", "content": "x"}]
     create(emulator, input=sent)
     assert last_record(emulator)["context"] == sent
+
+
+# -- the faults a GET takes, and upstreams that ignore previous_response_id but store ------
+
+@pytest.mark.parametrize("endpoint,suffix", [("retrieve", ""), ("input_items", "/input_items")])
+def test_a_get_fault_is_taken_by_the_endpoint_it_names_once(emulator, endpoint, suffix):
+    created = create(emulator, input="hello")
+    emulator.model.control({"fail_next": [{"kind": "status", "status": 503, "endpoint": endpoint},
+                                          {"kind": "stall", "ms": 300, "endpoint": endpoint}]})
+    create(emulator, input="a create leaves them queued")
+    other = "/input_items" if not suffix else ""
+    assert request(emulator, "GET", f"/v1/responses/{created['id']}{other}").status_code == 200  # not its endpoint
+    failed = request(emulator, "GET", f"/v1/responses/{created['id']}{suffix}")
+    assert (failed.status_code, failed.json()["error"]["type"]) == (503, "server_error")
+    started = time.monotonic()
+    assert request(emulator, "GET", f"/v1/responses/{created['id']}{suffix}").status_code == 200
+    assert time.monotonic() - started >= 0.3  # late, but answered
+    assert emulator.model.faults.next == []
+
+
+def test_an_upstream_that_ignores_previous_response_id_stores_and_answers_from_the_input_alone(emulator):
+    emulator.model.control({"ignore_previous": True, "echo_previous": "respelled", "input_items": "absent"})
+    first = create(emulator, input="hello")
+    second = create(emulator, input="again", previous_response_id=first["id"])
+    record = last_record(emulator)
+    assert (record["continued"], record["stored"], len(record["context"])) == (False, True, 1)
+    echoed = second["previous_response_id"]
+    assert isinstance(echoed, str) and echoed.startswith("resp_") and echoed != first["id"]
+    assert request(emulator, "GET", f"/v1/responses/{second['id']}").json() == second  # stored, read back
+    listing = request(emulator, "GET", f"/v1/responses/{second['id']}/input_items")
+    assert (listing.status_code, listing.json()["error"]["message"]) == \
+        (404, f"Invalid URL (GET /v1/responses/{second['id']}/input_items)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -432,8 +433,8 @@ def test_a_continuation_whose_answer_does_not_echo_the_id_is_not_built_upon():
     planner.upstreams.mark("reads_back", first.scope)
     nxt = conv + assistant_output(1) + [{"role": "user", "content": "y"}]
     plan = planner.plan(request(nxt))
-    assert plan.action == "continue"
-    assert planner.settle(plan, 200, _answer("resp_2", store=True)).kind == "ignored"
+    assert plan.action == "continue" and not plan.checked
+    assert planner.settle(plan, 200, _answer("resp_2", store=True)).kind == "unverified"  # its input items tell
     third = nxt + assistant_output(1) + [{"role": "user", "content": "z"}]
     assert planner.plan(request(third)).previous_response_id == "resp_1"
     null_echo = planner.plan(request(third))
@@ -465,6 +466,19 @@ def a_proven_continuation(store_answer: dict | None = None):
     plan = planner.plan(request(nxt))
     assert plan.action == "continue"
     return planner, plan, nxt
+
+
+def test_in_always_mode_a_continuation_is_checked_until_the_upstream_showed_it_honours_the_field():
+    planner, plan, nxt = a_proven_continuation()
+    assert not plan.checked  # forward mode alone: the first continued answer's echo is the check
+    planner.config.update(dataclasses.replace(planner.settings, emulate="always"))
+    checked = planner.plan(request(nxt))
+    assert (checked.action, checked.checked) == ("continue", True)
+    unheld = planner.plan(request(nxt), checkable=False)  # an answer that must stream as it comes
+    assert (unheld.action, unheld.reason) == ("full", "full; a continuation to check, of an answer that cannot be held")
+    planner.upstreams.mark("honours_previous", checked.scope)
+    assert not planner.plan(request(nxt)).checked
+    assert planner.plan(request(nxt), checkable=False).action == "continue"
 
 
 def test_an_echo_in_another_spelling_proves_nothing_by_itself():

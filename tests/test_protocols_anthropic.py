@@ -68,7 +68,7 @@ def test_json_answer_keeps_thinking_signatures_and_redacted_thinking():
 
 @pytest.mark.parametrize("stop, status", [("end_turn", "completed"), ("stop_sequence", "completed"),
                                           ("max_tokens", "incomplete"), ("pause_turn", "incomplete"),
-                                          ("refusal", "incomplete"), ("something_new", "incomplete")])
+                                          ("refusal", "failed"), ("something_new", "incomplete"), (None, "unknown")])
 def test_stop_reason_to_status(stop, status):
     doc = {"type": "message", "role": "assistant", "content": [], "stop_reason": stop}
     assert lift_answer("anthropic-messages", json.dumps(doc).encode(), sse=False).status == status

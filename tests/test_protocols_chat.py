@@ -81,7 +81,7 @@ def test_json_answer_with_tool_calls():
 
 
 @pytest.mark.parametrize("finish, status", [("stop", "completed"), ("length", "incomplete"),
-                                            ("content_filter", "incomplete"), (None, "incomplete")])
+                                            ("content_filter", "incomplete"), (None, "unknown")])
 def test_finish_reason_to_status(finish, status):
     doc = {"choices": [{"index": 0, "finish_reason": finish, "message": {"role": "assistant", "content": "x"}}]}
     assert lift_answer("openai-chat", json.dumps(doc).encode(), sse=False).status == status

@@ -147,7 +147,8 @@ def test_signed_text_parts_are_never_joined():
 
 
 @pytest.mark.parametrize("finish, status", [("STOP", "completed"), ("MAX_TOKENS", "incomplete"), ("SAFETY", "incomplete"),
-                                            ("MALFORMED_FUNCTION_CALL", "failed"), ("CONTINUATION", "incomplete")])
+                                            ("MALFORMED_FUNCTION_CALL", "failed"), ("CONTINUATION", "incomplete"),
+                                            (None, "unknown")])
 def test_finish_reason_to_status(finish, status):
     assert lift_answer("gemini-chat", json.dumps(response([{"text": "x"}], finish)).encode(), sse=False).status == status
 

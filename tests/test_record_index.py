@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from blake3 import blake3
-from protocols_support import lift, lift_answer
+from protocols_support import lift, lift_answer, sse_bytes
 from stateful_responses.items import canonical_json
 from stateful_responses.record.index import ChainIndex, Turn
 
@@ -16,6 +17,7 @@ URLS = {
     "openai-responses": "http://127.0.0.1/v1/responses",
     "openai-chat": "http://127.0.0.1/v1/chat/completions",
     "anthropic-messages": "http://127.0.0.1/v1/messages",
+    "gemini-chat": "http://127.0.0.1/v1beta/models/g:streamGenerateContent?alt=sse",
 }
 SECRET = b"s" * 32
 
@@ -78,6 +80,85 @@ def test_a_retry_of_a_turn_left_without_an_answer_continues_its_chain():
     assert (retry.chain_id, retry.previous.turn_id, retry.fork) == (opening.chain_id, retried.turn_id, False)
     assert failed.record()["previousTurnId"] == retried.turn_id and failed.chain_id == opening.chain_id
     assert retry.record()["stickyScope"] == "conversation"
+
+
+def opened_and_asked_again(protocol: str) -> tuple[dict, dict]:
+    """A protocol's opening request, and the request that goes on from its answer ``hello``."""
+    if protocol == "gemini-chat":
+        def content(role: str, text: str) -> dict:
+            return {"role": role, "parts": [{"text": text}]}
+        return ({"contents": [content("user", "hi")]},
+                {"contents": [content("user", "hi"), content("model", "hello"), content("user", "more")]})
+    body = {"model": "m", "max_tokens": 64}
+    return ({**body, "messages": [user("hi")]},
+            {**body, "messages": [user("hi"), {"role": "assistant", "content": "hello"}, user("more")]})
+
+
+def streamed_answer(protocol: str, text: str, ended: bool = True) -> bytes:
+    """A streamed answer of ``text``; one that stopped before it ended, when not ``ended``."""
+    if protocol == "openai-chat":
+        events = [{"id": "chatcmpl-1", "object": "chat.completion.chunk",
+                   "choices": [{"index": 0, "delta": {"role": "assistant", "content": text}}]}]
+        end = [{"id": "chatcmpl-1", "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}, "[DONE]"]
+    elif protocol == "anthropic-messages":
+        events = [("message_start", {"type": "message_start", "message": {
+                      "id": "msg_1", "type": "message", "role": "assistant", "content": [], "stop_reason": None}}),
+                  ("content_block_start", {"type": "content_block_start", "index": 0,
+                                           "content_block": {"type": "text", "text": ""}}),
+                  ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                           "delta": {"type": "text_delta", "text": text}})]
+        end = [("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"}}),
+               ("message_stop", {"type": "message_stop"})]
+    else:
+        events = [{"candidates": [{"content": {"role": "model", "parts": [{"text": text}]}, "index": 0}],
+                   "responseId": "r1"}]
+        end = [{"candidates": [{"content": {"role": "model", "parts": []}, "finishReason": "STOP", "index": 0}],
+                "responseId": "r1"}]
+    return sse_bytes(events + (end if ended else []))
+
+
+@pytest.mark.parametrize("protocol", ["openai-chat", "anthropic-messages", "gemini-chat"])
+def test_a_stream_that_stopped_before_its_end_is_a_dead_end_and_its_retry_continues_the_chain(protocol):
+    index = ChainIndex()
+    opening, second = opened_and_asked_again(protocol)
+    first = begin(index, protocol, opening)
+    index.finish(first, lift_answer(protocol, streamed_answer(protocol, "hello"), sse=True))
+    cut = begin(index, protocol, second)
+    stopped = lift_answer(protocol, streamed_answer(protocol, "the start of an answer", ended=False), sse=True)
+    assert stopped.status == "unknown" and stopped.messages  # what came is there, but it never ended
+    index.finish(cut, stopped)
+    retry = begin(index, protocol, second)
+    assert (retry.chain_id, retry.previous.turn_id, retry.fork) == (first.chain_id, first.turn_id, False)
+    assert (cut.chain_id, cut.record()["previousTurnId"]) == (first.chain_id, first.turn_id)
+
+
+def test_a_refused_anthropic_turn_is_a_dead_end_and_the_conversation_goes_on_from_the_turn_before():
+    index = ChainIndex()
+    opening, second = opened_and_asked_again("anthropic-messages")
+    first = answered(index, begin(index, "anthropic-messages", opening), "anthropic-messages", {
+        "id": "msg_1", "type": "message", "role": "assistant", "content": [{"type": "text", "text": "hello"}],
+        "stop_reason": "end_turn"})
+    refused = answered(index, begin(index, "anthropic-messages", second), "anthropic-messages", {
+        "id": "msg_2", "type": "message", "role": "assistant", "content": [{"type": "text", "text": "I can't"}],
+        "stop_reason": "refusal"})
+    again = begin(index, "anthropic-messages", second)  # sent again without the refused turn, as the API asks
+    assert (again.chain_id, again.previous.turn_id, again.fork) == (first.chain_id, first.turn_id, False)
+    assert refused.chain_id == first.chain_id
+
+
+def test_an_answer_out_of_tokens_is_continued_and_the_same_request_again_is_its_retry():
+    index = ChainIndex()
+    first = answered(index, begin(index, "openai-chat", chat(user("hi"))), "openai-chat", chat_answer("hello"))
+    history = [user("hi"), {"role": "assistant", "content": "hello"}, user("more")]
+    short = {"id": "chatcmpl-2", "choices": [{"index": 0, "finish_reason": "length",
+                                             "message": {"role": "assistant", "content": "cut sh"}}]}
+    cut = answered(index, begin(index, "openai-chat", chat(*history)), "openai-chat", short)
+    go_on = begin(index, "openai-chat", chat(*history, {"role": "assistant", "content": "cut sh"}, user("go on")))
+    assert (go_on.previous.turn_id, go_on.chain_id, go_on.fork) == (cut.turn_id, first.chain_id, False)
+    index.finish(go_on, None)
+    retry = begin(index, "openai-chat", chat(*history))  # or asked again, with more tokens
+    assert (retry.previous.turn_id, retry.chain_id, retry.fork) == (first.turn_id, first.chain_id, False)
 
 
 def test_a_retry_racing_its_first_attempt_stays_on_the_chain_and_two_answers_still_fork():

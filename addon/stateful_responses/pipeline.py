@@ -43,16 +43,19 @@ def make_addons() -> list:
     conversation_emulation = ConversationEmulation(config, counters, tenancy, reader, upstreams, state, history,
                                                    conversations, proofs, emulation)
     router = Router(config, counters, index, replays, conversation_emulation.full_history)
+    forward = ForwardMode(planner, state, replays, proofs)
     return [
         Options(config),  # first: parses every option before the others configure
         state,
         record,  # lifts the client's own request, before any change
-        router,  # picks the upstream the next four plan for
+        router,  # picks the upstream the emulations, the bridge and forward mode plan for
+        # before store and conversation emulation: what replaces a checked continuation's answer is what they record
+        forward.checks,
         conversation_emulation,  # before store emulation: it records the expanded body
         emulation,  # before forward mode: it plans the expanded body
         # before forward mode: a flow it takes is answered over an upstream WebSocket, never rewritten
         WebSocketBridge(config, counters, tenancy, reader, upstreams, state, replays),
-        ForwardMode(planner, state, replays, proofs),
+        forward,
         router.answers,  # fails over after the ones above learned from the failed answer
         record.answers,  # records what the client got, after every change
         ContentView(),  # the Stateful Responses view of every capability's flows, in mitmweb

@@ -1,7 +1,7 @@
 """Before anything relies on an upstream storing responses, ask it to read one
 back: ``GET …/responses/{id}`` with the credential that made it. And where a
 continuation's answer echoes its ``previous_response_id`` in another spelling
-(gateways re-encode ids), ask what the answer was made from:
+(gateways re-encode ids), or not at all, ask what the answer was made from:
 ``GET …/responses/{id}/input_items`` lists the chain's items too, or only the
 ones sent when the upstream ignored the field.
 
@@ -9,11 +9,17 @@ An answer's ``store: true`` can be an echo of the request (a gateway bridging
 onto chat completions stores nothing and still says so), so the word of an
 answer is not proof. One GET per upstream + credential, started as soon as the
 first stored answer arrives, sent the way mitmproxy sends the client's own
-requests (reverse or upstream mode, TLS options); the next request of that
-upstream + credential waits for it (``PROOF_WAIT`` at most) before it is
-planned. The verdict is a mark in the state store, so replicas and restarts
-reuse it; a proof that could not finish (a 5xx, a reset, a timeout) leaves the
-upstream unproven, full history goes out, and a later stored answer tries again.
+requests (reverse or upstream mode, TLS options); the requests of that
+upstream + credential wait for it before they are planned, until
+``PROOF_WAIT`` after it started at most (a slow proof delays no request
+longer, however many come). The verdict is a mark in the state store, so
+replicas and restarts reuse it; a proof that could not finish (a 5xx, a reset,
+no answer within ``PROOF_TIMEOUT``) leaves the upstream unproven, full history
+goes out, and a later stored answer tries again (``RETRY_AFTER`` after it).
+
+An echo the listing cannot settle (the upstream has no listing, or it failed)
+leaves a doubt no later answer can lift: that upstream + credential is taken
+to ignore the field, and full history goes to it from then on.
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ from .upstreams import MARKS, Upstreams
 
 logger = logging.getLogger(__name__)
 
-PROOF_WAIT = 2.0  # a request waits this long at most for its upstream's proof
-RETRY_AFTER = 30.0  # an unfinished proof is tried again no sooner than this
+PROOF_WAIT = 2.0  # requests wait for their upstream's proof until this long after it started, at most
+PROOF_TIMEOUT = 10.0  # a proof's GET not answered within this is given up
+RETRY_AFTER = 30.0  # an unfinished proof is tried again no sooner than this after it started
 LOOK_AGAIN = 1.0  # the store is asked for another replica's proof of a scope at most this often
 _DROPPED_HEADERS = ("content-length", "content-type", "content-encoding", "transfer-encoding")
 
@@ -77,34 +84,39 @@ class Proofs:
         self.replays = replays
         self.state = state
         self.counters = counters
-        self._running: dict[str, asyncio.Task] = {}  # scope -> its proof under way (one at a time)
+        self._running: dict[str, tuple[asyncio.Task, float]] = {}  # scope -> its proof under way, since when
         self._tried = Bounded(4096)  # scope -> when its last unfinished storage proof started
         self._looked = Bounded(4096)  # scope -> when the store was last asked for its proof
+
+    def _now(self) -> float:
+        return self.upstreams.config.clock()
 
     def start(self, flow: http.HTTPFlow, scope: str, label: str, upstream: str, response_id: str) -> None:
         """Prove ``scope`` (``upstream``, a base URL, as seen by ``flow``'s
         credential) stores responses, with the stored ``response_id`` ``flow``
         was just answered with, unless it is proven, disproven or being proven."""
-        loop = asyncio.get_running_loop()
+        now = self._now()
         if not self.upstreams.unproven(scope) or scope in self._running \
-                or loop.time() < self._tried.get(scope, float("-inf")) + RETRY_AFTER:
+                or now < self._tried.get(scope, float("-inf")) + RETRY_AFTER:
             return
-        self._tried.put(scope, loop.time())
+        self._tried.put(scope, now)
         self._run(scope, self._prove_storage(flow, scope, label, upstream, response_id))
 
     def start_echo(self, flow: http.HTTPFlow, scope: str, label: str, upstream: str, response_id: str,
                    items_sent: int) -> None:
         """Find out whether the continuation ``flow`` was just answered with
-        (``response_id``, its id echoing another spelling of the one sent) was
-        made from its chain, unless that is known or being found out."""
-        if self.upstreams.has("honours_previous", scope) or scope in self._running:
+        (``response_id``, echoing the id sent in another spelling, or none)
+        was made from its chain, unless that is known or being found out."""
+        if self.upstreams.has("honours_previous", scope) or self.upstreams.cannot_continue(scope) \
+                or scope in self._running:
             return
         self._run(scope, self._prove_echo(flow, scope, label, upstream, response_id, items_sent))
 
     def _run(self, scope: str, proof: Coroutine[Any, Any, asyncio.Future | None]) -> None:
-        self._running[scope] = asyncio.get_running_loop().create_task(self._finally_done(scope, proof))
+        self._running[scope] = (asyncio.get_running_loop().create_task(self._finally_done(scope, proof)), self._now())
 
-    async def _finally_done(self, scope: str, proof: Coroutine[Any, Any, asyncio.Future | None]) -> asyncio.Future | None:
+    async def _finally_done(self, scope: str,
+                            proof: Coroutine[Any, Any, asyncio.Future | None]) -> asyncio.Future | None:
         try:
             return await proof
         except Exception:
@@ -113,18 +125,26 @@ class Proofs:
         finally:
             self._running.pop(scope, None)
 
+    async def _over(self, scope: str) -> asyncio.Task | None:
+        """Until ``scope``'s running proof is over, and no later than
+        ``PROOF_WAIT`` after it started; the proof, if one is running."""
+        running = self._running.get(scope)
+        if running is None:
+            return None
+        task, started = running
+        left = min(PROOF_WAIT, started + PROOF_WAIT - self._now())
+        if left > 0:
+            await asyncio.wait({task}, timeout=left)
+        return task
+
     async def settled(self, scope: str) -> None:
-        """Until ``scope``'s running proof is over, ``PROOF_WAIT`` at most;
-        with none running here, another replica's verdict is read from the
-        store (now and then: a scope no upstream answer proves is asked about
-        at most every ``LOOK_AGAIN``)."""
-        task = self._running.get(scope)
-        if task is not None:
-            await asyncio.wait({task}, timeout=PROOF_WAIT)
+        """Until ``scope``'s running proof is over (see ``_over``); with none
+        running here, another replica's verdict is read from the store (now
+        and then: a scope no upstream answer proves is asked about at most
+        every ``LOOK_AGAIN``)."""
+        if await self._over(scope) is not None or not self.upstreams.unproven(scope):
             return
-        if not self.upstreams.unproven(scope):
-            return
-        now = asyncio.get_running_loop().time()
+        now = self._now()
         if now < self._looked.get(scope, float("-inf")) + LOOK_AGAIN:
             return
         self._looked.put(scope, now)
@@ -132,13 +152,11 @@ class Proofs:
 
     async def proven(self, scope: str) -> None:
         """Until ``scope``'s running proof is over and its verdict written to
-        the store, ``PROOF_WAIT`` at most: the answer that started it reaches
-        the client whole only then, so that another replica finds the verdict."""
-        task = self._running.get(scope)
-        if task is not None:
-            await asyncio.wait({task}, timeout=PROOF_WAIT)
-            if task.done() and not task.cancelled():
-                await self.state.written(task.result())
+        the store (see ``_over``): the answer that started it reaches the
+        client whole only then, so that another replica finds the verdict."""
+        task = await self._over(scope)
+        if task is not None and task.done() and not task.cancelled():
+            await self.state.written(task.result())
 
     async def _get(self, flow: http.HTTPFlow, upstream: str, path: str, why: str) -> tuple[http.Response, str | None]:
         """``GET {upstream}{path}`` with ``flow``'s credential, sent as
@@ -150,7 +168,7 @@ class Proofs:
         for name in _DROPPED_HEADERS:
             request.headers.pop(name, None)
         request.content = b""
-        return await self.replays.send(flow, request, why, kind="proof")
+        return await self.replays.send(flow, request, why, kind="proof", timeout=PROOF_TIMEOUT)
 
     async def _prove_storage(self, flow: http.HTTPFlow, scope: str, label: str, upstream: str,
                              response_id: str) -> asyncio.Future | None:
@@ -175,6 +193,10 @@ class Proofs:
             self.upstreams.mark("honours_previous", scope)
         elif verdict is False:
             self._unsupported(scope, label, "answered a previous_response_id from the items sent alone")
+        elif self.upstreams.mark("refuses_previous", scope):
+            why = failure or f"answered {answer.status_code}"
+            logger.info("stateful-responses: %s echoed a previous_response_id in another spelling and its input items "
+                        "cannot be listed (%s); sending full history to it from now on", label, why)
         return self.state.flush()
 
     def _unsupported(self, scope: str, label: str, why: str) -> None:

@@ -4,12 +4,13 @@ for the client's flow."""
 
 from __future__ import annotations
 
+import asyncio
 import html
 
 from mitmproxy import ctx, http, version
 
 from .counters import Counters
-from .flows import internal_error, retry_of
+from .flows import RETRY_OF, internal_error, retry_of
 
 
 def bad_gateway(why: str) -> http.Response:
@@ -48,13 +49,14 @@ class Replays:
         flow.response.stream = keep
 
     async def send(self, flow: http.HTTPFlow, request: http.Request, why: str,
-                   kind: str = "retry") -> tuple[http.Response, str | None]:
+                   kind: str = "retry", timeout: float | None = None) -> tuple[http.Response, str | None]:
         """The answer the client gets for ``request`` sent in its flow's place:
         the upstream's, or mitmproxy's own 502 (and why) when the retry itself
-        failed, never the refusal that made us retry."""
+        failed, never the refusal that made us retry. With a ``timeout``, an
+        answer not whole by then is given up (its connection closed)."""
         from mitmproxy.addons.clientplayback import ReplayHandler
 
-        child = None
+        child = handler = None
         try:
             child = flow.copy()
             child.request = request
@@ -64,10 +66,22 @@ class Replays:
             # (and lets a replay through), and the user it let in names the tenant.
             child.metadata = {key: flow.metadata[key] for key in ("proxyauth",) if key in flow.metadata}
             child.is_replay = "request"
-            retry_of(child, flow)
+            if kind == "proof":  # ours, but no attempt at the client's request: no addon may take it for one
+                child.metadata[RETRY_OF] = flow.id
+            else:
+                retry_of(child, flow)
             child.comment = f"{kind} for {flow.id}: {why}"
             self._bodies[child.id] = None  # responseheaders starts collecting
-            await ReplayHandler(child, ctx.options).replay()
+            handler = ReplayHandler(child, ctx.options)
+            await asyncio.wait_for(handler.replay(), timeout)
+        except TimeoutError:
+            if child is not None:
+                self._bodies.pop(child.id, None)
+            for io in handler.transports.values() if handler is not None else ():
+                if io.handler is not None:
+                    io.handler.cancel()  # as mitmproxy's replay closes them once answered
+            failure = f"no answer within {timeout} s"
+            return bad_gateway(failure), failure
         except Exception:
             internal_error(self.counters, "retrying a request")
         body = self._bodies.pop(child.id, None) if child is not None else None

@@ -49,10 +49,13 @@ __all__ = ["APIError", "Faults", "ResponsesModel", "SocketSession", "canonical",
 
 RESPONSES = "openai-responses"  # the log's ``protocol`` for this API
 # The faults the other APIs take; the rest are about Responses' own semantics.
-CONVERSATION_FAULTS = frozenset({"status", "reset", "html", "cut"})
+CONVERSATION_FAULTS = frozenset({"status", "reset", "html", "cut", "end"})
 # The faults only a WebSocket turn takes; an HTTP request leaves them queued.
 SOCKET_ONLY_FAULTS = frozenset({"ws_close", "ws_error"})
 SOCKET_FAULTS = frozenset({"reject", "status", "failed", "incomplete", "stream_error"}) | SOCKET_ONLY_FAULTS
+# The faults a GET of a stored response ("retrieve") or of its input items ("input_items") takes, when a
+# fault names that endpoint; every other fault is for a create ("create", the default).
+ENDPOINT_FAULTS = frozenset({"status", "stall"})
 
 
 def _text_of(item: dict) -> str:
@@ -70,11 +73,13 @@ class Faults:
     and how fast the emulator reads, answers and finishes background work."""
 
     stateless: str | None = None  # "reject" (llama.cpp) | "ignore" (Ollama)
+    ignore_previous: bool = False  # a previous_response_id is answered from the input alone; storing goes on
     # No Conversations API: "absent" (its paths 404, the field refused) | "ignore" (404, the field dropped) |
     # "not_allowed" (its paths 405, the field dropped)
     conversations: str | None = None
     echo_store: bool = True  # False: answers omit the ``store`` field
-    echo_previous: bool = True  # False: answers omit the ``previous_response_id`` field
+    echo_previous: bool | str = True  # False: answers omit it; "respelled": another spelling (a gateway's ids)
+    input_items: str | None = None  # "absent": no ``GET …/input_items`` (its path is 404, as on a server without it)
     refuse_store: bool = False  # a zero-data-retention organization
     forget_probability: float = 0.0
     slow_ms: int = 0  # pause after each SSE event
@@ -86,13 +91,15 @@ class Faults:
     ws_lifetime_s: float = 3600  # a socket's lifetime, after which response.create is refused
     next: list[dict] = field(default_factory=list)  # one-shot faults, FIFO
 
-    def take(self, continued: bool, protocol: str = RESPONSES, kinds: frozenset[str] | None = None) -> dict | None:
+    def take(self, continued: bool, protocol: str = RESPONSES, kinds: frozenset[str] | None = None,
+             endpoint: str = "create") -> dict | None:
         """The first queued fault that applies: to this protocol (a fault may
-        name one), of one of ``kinds`` (None: any but the WebSocket-only ones),
-        and to a continuation or a fresh request as its ``when`` says."""
+        name one) and endpoint, of one of ``kinds`` (None: any but the
+        WebSocket-only ones), and to a continuation or a fresh request as its
+        ``when`` says."""
         for i, fault in enumerate(self.next):
             kind = fault.get("kind")
-            if fault.get("protocol", protocol) != protocol or (
+            if fault.get("protocol", protocol) != protocol or fault.get("endpoint", "create") != endpoint or (
                     kind in SOCKET_ONLY_FAULTS if kinds is None else kind not in kinds):
                 continue
             when = fault.get("when", "any")
@@ -101,8 +108,8 @@ class Faults:
         return None
 
 
-SETTABLE = ("stateless", "conversations", "echo_store", "echo_previous", "refuse_store", "forget_probability",
-            "slow_ms", "think_ms", "gzip", "background_delay_ms", "read_rate_bytes_per_s", "websocket", "ws_lifetime_s")
+SETTABLE = ("stateless", "ignore_previous", "conversations", "echo_store", "echo_previous", "input_items",
+            "refuse_store", "forget_probability", "slow_ms", "think_ms", "gzip", "background_delay_ms", "read_rate_bytes_per_s", "websocket", "ws_lifetime_s")
 
 
 _SOCKET_NUMBERS = itertools.count(1)
@@ -262,12 +269,12 @@ class ResponsesModel:
         if previous is not None:
             if f.stateless == "reject":
                 raise APIError(400, "This server does not support 'previous_response_id'.")
-            if f.stateless != "ignore":
+            if f.stateless != "ignore" and not f.ignore_previous:
                 parent = self._parent(credential, previous, socket, store)
         if socket is not None:
             record["hydrated"] = parent is not None and parent is not socket.latest
         items, references = self._resolve_references(credential, items, store is not False)
-        fault = f.take(continued=previous is not None and f.stateless != "ignore", protocol=RESPONSES,
+        fault = f.take(continued=parent is not None, protocol=RESPONSES,
                        kinds=SOCKET_FAULTS if socket is not None else None)
         kind = fault.get("kind") if fault else None
         record["fault"] = kind
@@ -404,6 +411,9 @@ class ResponsesModel:
                                    store=self._store_echo(body.get("store", True)), conversation=conversation_id)
         if not self.faults.echo_previous:
             del response["previous_response_id"]
+        elif self.faults.echo_previous == "respelled" and isinstance(response["previous_response_id"], str):
+            response["previous_response_id"] = "resp_" + hashlib.sha256(response["previous_response_id"].encode()
+                                                                        ).hexdigest()[:40]
         return response
 
     def _generate(self, body: dict, context: list, digest: str) -> list:
@@ -545,6 +555,11 @@ class ResponsesModel:
                 raise errors.missing_api_key()
             self._advance_background()
             return getattr(self._conversations, endpoint)(credential, call)
+
+    def endpoint_fault(self, endpoint: str) -> dict | None:
+        """The first queued fault for a GET of ``endpoint`` (``retrieve`` or ``input_items``)."""
+        with self._lock:
+            return self.faults.take(continued=False, kinds=ENDPOINT_FAULTS, endpoint=endpoint)
 
     def list_input_items(self, credential: str, response_id: str, query: dict[str, str]) -> dict:
         """``GET /responses/{id}/input_items``: every item the response was

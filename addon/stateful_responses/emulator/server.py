@@ -30,6 +30,7 @@ import json
 import re
 import socket
 import ssl
+import sys
 import threading
 import time
 import zlib
@@ -203,7 +204,15 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             route = self._route("GET", "response", "input_items")
-            if route.endpoint == "input_items":
+            listing = route.endpoint == "input_items"
+            fault = self.model.endpoint_fault("input_items" if listing else "retrieve") or {}
+            if fault.get("kind") == "stall":  # a slow answer: it comes, late
+                time.sleep(fault.get("ms", 0) / 1000)
+            elif fault.get("kind") == "status":
+                raise errors.server_error(fault.get("status", 500))
+            if listing and self.model.faults.input_items == "absent":
+                raise errors.invalid_url("GET", self.path)
+            if listing:
                 self._send_json(200, self.model.list_input_items(self._credential(), route.response_id, route.query))
             else:
                 self._send_json(200, self.model.retrieve(self._credential(), route.response_id))
@@ -278,8 +287,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(200, answer)
         else:
             content_type, frames = api.stream(conversation, answer)
-            self._stream(api.answer_id(answer), frames, content_type,
-                         cut_after=fault.get("after_events") if kind == "cut" else None)
+            self._stream(api.answer_id(answer), frames, content_type, fault)
 
     def _create(self, body: bytes) -> None:
         parsed = _parsed(body)
@@ -304,7 +312,7 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 events = sse_events(response, fault.get("terminal_event"), obfuscation=obfuscation)
             self._stream(response["id"], (encode_event(event) for event in events), "text/event-stream; charset=utf-8",
-                         cut_after=fault.get("after_events") if kind == "cut" else None)
+                         fault)
 
     def _follow_background(self, credential: str, queued: dict, obfuscation: bool) -> Iterator[dict]:
         """A streamed background response's events: created and queued at once,
@@ -334,10 +342,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.connection.close()
         self.close_connection = True
 
-    def _stream(self, response_id: str, frames: Iterable[bytes], content_type: str, cut_after: int | None) -> None:
+    def _stream(self, response_id: str, frames: Iterable[bytes], content_type: str, fault: dict | None) -> None:
         """Send ``frames`` as they come, chunked (gzipped when set), pausing
-        ``slow_ms`` after each; ``cut_after`` resets the connection after that many."""
+        ``slow_ms`` after each; after ``after_events`` of them a ``cut`` fault
+        resets the connection, an ``end`` fault ends the stream there."""
         faults = self.model.faults
+        kind, after = (fault or {}).get("kind"), (fault or {}).get("after_events", 0)
         compress = zlib.compressobj(wbits=16 + zlib.MAX_WBITS) if faults.gzip else None
         self.send_response(200)
         self.send_header("content-type", content_type)
@@ -356,9 +366,11 @@ class _Handler(BaseHTTPRequestHandler):
 
         sent = bytearray()
         for n, data in enumerate(frames):
-            if cut_after is not None and n >= cut_after:
+            if kind == "cut" and n >= after:
                 self._reset_connection()
                 return
+            if kind == "end" and n >= after:
+                break
             sent += data
             self.model.record_stream(response_id, bytes(sent))
             chunk(data)
@@ -401,6 +413,11 @@ class _Server(ThreadingHTTPServer):
         with self._sockets_lock:
             self._connections.discard(request)
         super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client gone before its answer came (one that gave up waiting) is no error of the server's."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
     @contextmanager
     def serving(self, ws: ResponsesSocket) -> Iterator[None]:

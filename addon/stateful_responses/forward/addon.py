@@ -4,7 +4,9 @@ Everything that decides lives in ``planner``; this class only reads a flow into
 a ``Request``, writes a planned body back, taps the answer on its way to the
 client, and hands the answer to the planner (and what it learned to the state
 store). Every hook is wrapped so that an error inside the addon lets the
-client's request through untouched.
+client's request through untouched. ``CheckedContinuations`` is its answer side
+listed before store emulation: a continuation that must be checked before the
+client gets it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from mitmproxy.utils import human
 
 from ..flows import (
     CLIENT_BODY,
+    CONVERSATION,
     DECISION,
     HELD,
     RETRY_OF,
@@ -219,7 +222,9 @@ class ForwardMode:
         instead of the client's, or None to send the client's."""
         retry_of = flow.metadata.get(RETRY_OF)
         client_body = original.raw_content or b""
-        plan = self.planner.plan(request_of(flow, original), rewrite=retry_of is None)
+        # A conversation the proxy keeps is named in each answer as it streams by: none can be held to be checked.
+        plan = self.planner.plan(request_of(flow, original), rewrite=retry_of is None,
+                                 checkable=CONVERSATION not in flow.metadata)
         if plan.upstream == "":
             return None  # not a Responses API request: no trace at all
         flow.metadata[DECISION] = _metadata(plan)
@@ -383,29 +388,63 @@ class ForwardMode:
             self._debug("%s: %s", outcome.kind, outcome.detail)
         return outcome
 
-    async def _retry(self, flow: http.HTTPFlow, pending: _Pending) -> None:
+    async def _retry(self, flow: http.HTTPFlow, pending: _Pending, why: str | None = None) -> None:
         """Send the client's original request once more and give its answer to
-        the client instead of the rejection our change caused."""
+        the client instead of the rejection our change caused (or, ``why``,
+        an answer that cannot be trusted)."""
         assert pending.original is not None and flow.response is not None
         rejected = flow.response.status_code
+        flow.metadata[DECISION]["retried_after"] = rejected
+        if why is not None:
+            flow.metadata[DECISION]["retry_reason"] = why
+        why = why or f"upstream answered {rejected}"
         self.planner.counters.retries += 1
-        self._debug("retrying with the original body after %d", rejected)
-        answer, failure = await self.replays.send(flow, pending.original, f"original body after {rejected}")
+        self._debug("retrying with the original body after %d: %s", rejected, why)
+        answer, failure = await self.replays.send(flow, pending.original, f"original body after {rejected}: {why}")
         flow.response = answer
         flow.marked = ":warning:"
-        flow.metadata[DECISION]["retried_after"] = rejected
         summary = plan_summary(pending.plan)
         if failure is None:
             self.planner.retried(pending.plan, answer.status_code)
             self.state.flush()
             self.planner.counters.fallbacks += 1
-            flow.comment = f"{summary}; upstream answered {rejected}, retried with the original body"
+            flow.comment = f"{summary}; {why}, retried with the original body"
         else:
             # Without the addon the client's request met this failure: it gets
             # what mitmproxy answers a failed connection with (SDKs retry a
             # 502), never the 400 our change caused (they would not).
-            flow.comment = f"{summary}; upstream answered {rejected}; the retry with the original body failed " \
-                           f"({failure}): answered 502"
+            flow.comment = f"{summary}; {why}; the retry with the original body failed ({failure}): answered 502"
+
+    @property
+    def checks(self) -> CheckedContinuations:
+        return CheckedContinuations(self)
+
+    async def check(self, flow: http.HTTPFlow) -> None:
+        """A checked continuation's answer, held whole: it stands only if the
+        upstream + credential shows it was made from the chain (the echo, the
+        bill, or a listing of its input items, ``PROOF_WAIT`` at most);
+        otherwise the client's full body goes again and its answer is the
+        client's, so that no turn is answered without its history, and that
+        upstream + credential is sent full history from then on (checking
+        every turn would send each twice)."""
+        pending = self._pending.get(flow)
+        if pending is None or not pending.plan.checked or flow.response is None or flow.response.status_code >= 300:
+            return
+        try:
+            scope = pending.plan.scope
+            outcome = self._settle_safely(flow, pending)
+            if outcome is not None and outcome.kind == "unverified":
+                await self.proofs.proven(scope)  # the listing of its input items
+                if self.planner.upstreams.has("honours_previous", scope):
+                    self._settle_safely(flow, pending)  # made from its chain after all: learned from
+            upstreams = self.planner.upstreams
+            if not upstreams.has("honours_previous", scope):
+                if not upstreams.cannot_continue(scope) and upstreams.mark("refuses_previous", scope):
+                    logger.info("stateful-responses: %s did not show it answered a previous_response_id from its "
+                                "chain; sending full history to it from now on", pending.plan.scope_label)
+                await self._retry(flow, pending, "the upstream did not show it read the chain")
+        except Exception:
+            self._internal_error("checking a continuation's answer")
 
     def _internal_error(self, doing: str) -> None:
         internal_error(self.planner.counters, doing)
@@ -416,3 +455,22 @@ class ForwardMode:
 
     def _stats_line(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self.planner.stats().items())
+
+
+class CheckedContinuations:
+    """Forward mode's answer side for checked continuations (store emulation's
+    always mode: no ``previous_response_id`` the upstream has not shown it
+    honours may decide a client's answer), listed before store emulation so
+    that the answer emulation records is the one the client gets."""
+
+    def __init__(self, forward: ForwardMode) -> None:
+        self.forward = forward
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        pending = self.forward._pending.get(flow)
+        if pending is not None and pending.plan.checked and flow.response is not None \
+                and flow.response.status_code < 300:
+            hold(flow)  # read whole in the response hook, and replaced there unless it was made from the chain
+
+    async def response(self, flow: http.HTTPFlow) -> None:
+        await self.forward.check(flow)

@@ -49,6 +49,9 @@ class Plan:
     forced_store: bool = False  # we set store: true where the client had not
     client_bytes: int = 0
     client_previous_response_id: str | None = None  # the client's own continuation, watched for its echo
+    # A continuation the upstream + credential has not yet shown it honours, in store emulation's always mode:
+    # its answer is held and checked, and the client's full body goes again unless it was made from the chain.
+    checked: bool = False
     draft: _Draft | None = field(default=None, repr=False)  # what improving the plan from the store needs
     root: bytes = field(default=b"", repr=False)  # the namespace's root digest
 
@@ -78,6 +81,7 @@ class _Draft:
     force_store: bool
     memory_depth: int  # the length continued from out of memory, 0 for none
     unresolved: list[bytes]  # keys of item references memory could not resolve
+    checkable: bool = True  # its answer may be held to be checked (see Plan.checked)
 
 
 @dataclass(frozen=True)
@@ -153,9 +157,11 @@ class Planner:
         h.update(credential)
         return h.digest()
 
-    def plan(self, request: Request, *, rewrite: bool = True) -> Plan:
+    def plan(self, request: Request, *, rewrite: bool = True, checkable: bool = True) -> Plan:
         """Decide what to send. With ``rewrite=False`` (our own retry of a
-        client's original body) nothing is changed, only tracked."""
+        client's original body) nothing is changed, only tracked. With
+        ``checkable=False`` (an answer that must stream as it comes) a
+        continuation that would have to be checked goes full instead."""
         reading = self.reader.read(request, count=rewrite)
         if isinstance(reading, Skip):
             return Plan("pass", reading.reason, reading.upstream, reading.model)
@@ -213,7 +219,7 @@ class Planner:
         match = self.store.deepest(prefixes, now)
         if match is not None and not self.upstreams.has("reads_back", scope):
             match, plan.reason = None, "full; the upstream has not yet read a stored response back"
-        plan.draft = _Draft(request.body, body, raw_items, force, match.length if match else 0, unresolved)
+        plan.draft = _Draft(request.body, body, raw_items, force, match.length if match else 0, unresolved, checkable)
         self._shape(plan, match)
         self._count(plan)
         return plan
@@ -259,6 +265,9 @@ class Planner:
         draft = plan.draft
         assert draft is not None
         changes: dict[str, bytes] = {}
+        checked = self.settings.emulate == "always" and not self.upstreams.has("honours_previous", plan.scope)
+        if match is not None and checked and not draft.checkable:
+            match, plan.reason = None, "full; a continuation to check, of an answer that cannot be held"
         if match is not None:
             assert draft.raw_items is not None  # a string input is one item and never extends anything
             changes["input"] = b"[" + b",".join(draft.raw_items[match.length :]) + b"]"
@@ -268,6 +277,7 @@ class Planner:
             plan.previous_response_id = match.response_id
             plan.parent = match.digest
             plan.items_sent = plan.items_total - match.length
+            plan.checked = checked
         if draft.force_store:
             changes["store"] = b"true"
         plan.body = splice(draft.request_body, draft.fields, changes) if changes else None
@@ -352,8 +362,11 @@ class Planner:
             self._forget_parent(plan)
             return Outcome("dropped", f"response status {status!r}", rid if isinstance(rid, str) else None)
         if plan.action == "continue" and echoed is _ABSENT:
-            # An upstream that ignores the field and echoes nothing looks the same.
-            return Outcome("ignored", "the answer does not echo previous_response_id: it proves nothing", rid)
+            # An upstream that ignores the field and echoes nothing looks the same: its input items tell.
+            if self.upstreams.has("honours_previous", plan.scope):
+                return Outcome("ignored", "the answer does not echo previous_response_id: it proves nothing", rid)
+            return Outcome("unverified", "the answer does not echo previous_response_id: nothing is built on it "
+                           "until the upstream shows it read the chain", rid)
         stored = response.get("store")
         if not isinstance(stored, bool):
             if not self.upstreams.has("honours_previous", plan.scope):

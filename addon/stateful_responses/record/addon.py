@@ -373,8 +373,9 @@ def _changes_made(flow: http.HTTPFlow, protocol: str) -> tuple[list, bool, bool]
                                    f"({retries}): the client's own request went over HTTP", protocol))
     if refused:
         change = f"continued from {decision.get('previous_response_id')}" if continued else "the changed request"
-        changes.append(audit_entry("input", "preserved", f"{change}: the upstream answered {refused}; the client's "
-                                   "own body was sent again instead", protocol))
+        why = decision.get("retry_reason") or f"the upstream answered {refused}"
+        changes.append(audit_entry("input", "preserved", f"{change}: {why}; the client's own body was sent again "
+                                   "instead", protocol))
     elif continued and failed_over:
         changes.append(audit_entry("input", "preserved", f"continued from {decision.get('previous_response_id')} "
                                    f"at {routed['upstream']}; the failover sent the client's own body instead",

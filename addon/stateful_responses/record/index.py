@@ -17,9 +17,11 @@ where it left (``resumeFrom``).
 
 The record follows what the client got. A turn claims its chain's tip while
 it is on its way, and gives it back when it gets no answer the client can
-continue from (an error status, a failed answer, a broken connection): a dead
-end, not a branch, so the client's retry of the same request continues the
-same chain. Two turns that end alike (identical conversations) are told apart
+continue from (an error status, a failed or refused answer, a broken
+connection, a stream that stopped before its end): a dead end, not a branch,
+so the client's retry of the same request continues the same chain. An
+answer that ended early with a reason (out of tokens) keeps the tip, and the
+same request sent again after it is a retry too. Two turns that end alike (identical conversations) are told apart
 by the item ids a client echoes, else the one still at its chain's tip is the
 one continued. Tool outputs a client puts right after each call they answer
 still continue the answer that made the calls.
@@ -48,7 +50,9 @@ CHAIN_TURNS = "chain-turns"  # digest of a turn's messages + answer -> the TurnR
 CHAIN_RESPONSES = "chain-responses"  # a response id, or a conversation's newest turn, per credential -> TurnRef
 CHAIN_TIPS = "chain-tips"  # chain id -> its Tip
 DISPOSITIONS = ("preserved", "lossy", "dropped", "unsupported")
-CONTINUABLE = frozenset({"completed", "incomplete"})  # answers a client can echo and go on from
+# Answers a client can echo and go on from: finished, or ended early with a reason (out of tokens, a paused
+# server tool loop). An answer that never ended (no stop reason), an error or a refusal is a dead end.
+CONTINUABLE = frozenset({"completed", "incomplete"})
 SAME_ENDING = 8  # turns kept per digest: identical conversations that are not one
 MAX_TAIL = 128  # items read back to find an answer whose calls have their outputs between them
 
@@ -441,13 +445,14 @@ class ChainIndex:
     def finish(self, turn: Turn, answer: LiftedAnswer | None) -> None:
         """The answer arrived (None: none, or an error). One a client can go on
         from makes the turn continuable; anything else is a dead end that
-        gives its chain's tip back."""
+        gives its chain's tip back. Until it is completed, the same request
+        sent again is a retry of it, not a second continuation."""
         turn.answer = answer
         if answer is None or answer.status not in CONTINUABLE:
             self._release(turn)
             return
         attempt = self.attempts.get(turn.attempt)
-        if attempt is not None and attempt.turn_id == turn.turn_id:
+        if answer.status == "completed" and attempt is not None and attempt.turn_id == turn.turn_id:
             del self.attempts[turn.attempt]
         if turn.conversation_key:  # responses on one conversation all join it: none branches off
             self._put_tip(turn.chain_id, Tip(turn.turn_id, turn.previous.turn_id if turn.previous else None))

@@ -40,7 +40,7 @@ STATUS_OF_STOP: dict[str, Status] = {
     "pause_turn": "incomplete",  # a server tool loop paused: the client resends to let it go on
     "max_tokens": "incomplete",
     "model_context_window_exceeded": "incomplete",
-    "refusal": "incomplete",  # the API asks clients not to continue from a refused turn
+    "refusal": "failed",  # the API asks clients not to continue from a refused turn: a dead end
 }
 # Blocks whose input streams as input_json_delta (the SDK's TRACKS_TOOL_INPUT).
 INPUT_BLOCKS = frozenset({"tool_use", "server_tool_use"})
@@ -233,7 +233,7 @@ class Answer:
         return LiftedAnswer(
             protocol=PROTOCOL,
             response_id=response_id if isinstance(response_id, str) else None,
-            status=STATUS_OF_STOP.get(stop, "incomplete") if isinstance(stop, str) else "incomplete",
+            status=STATUS_OF_STOP.get(stop, "incomplete") if isinstance(stop, str) else "unknown",  # never ended
             finish_reason=stop if isinstance(stop, str) else None,
             messages=[message],
             pending_tool_calls=pending,

@@ -197,7 +197,8 @@ def _has_indexed_entries(value: Any) -> bool:
 
 
 def _status(finish_reason: Any) -> Status:
-    return STATUS_OF_FINISH.get(finish_reason, "incomplete") if isinstance(finish_reason, str) else "incomplete"
+    """An answer without a finish reason never ended (a stream that stopped early): ``unknown``."""
+    return STATUS_OF_FINISH.get(finish_reason, "incomplete") if isinstance(finish_reason, str) else "unknown"
 
 
 class Answer:

@@ -339,7 +339,7 @@ class Answer:
         return LiftedAnswer(
             protocol=PROTOCOL,
             response_id=self._response_id if isinstance(self._response_id, str) else None,
-            status=STATUS_OF_FINISH.get(reason, "incomplete") if isinstance(reason, str) else "incomplete",
+            status=STATUS_OF_FINISH.get(reason, "incomplete") if isinstance(reason, str) else "unknown",  # never ended
             finish_reason=reason if isinstance(reason, str) else None,
             messages=messages,
             pending_tool_calls=calls,
