@@ -111,19 +111,20 @@ def test_a_slow_uplink_paces_how_fast_request_bodies_are_read(emulator):
 
 
 def test_a_thinking_model_answers_after_think_ms_and_a_reset_with_settings_keeps_them(emulator):
-    emulator.model.control({"think_ms": 5000})
-    emulator.model.control({"reset": True, "think_ms": 300})  # reset first, then the settings
+    """Bounds a second apart, which no load on the machine blurs."""
+    emulator.model.control({"think_ms": 6000})
+    emulator.model.control({"reset": True, "think_ms": 1500})  # reset first, then the settings
     for body in ({"model": "m", "input": "x"}, {"model": "m", "input": "x", "stream": True}):
         began = time.monotonic()
         status, _ = post(emulator, body, stream=body.get("stream", False))
-        assert status == 200 and 0.3 <= time.monotonic() - began < 3
+        assert status == 200 and 1.5 <= time.monotonic() - began < 5
     began = time.monotonic()
     status, queued = post(emulator, {"model": "m", "input": "x", "background": True})
-    assert status == 200 and queued["status"] == "queued" and time.monotonic() - began < 0.3
+    assert status == 200 and queued["status"] == "queued" and time.monotonic() - began < 1
     emulator.model.control({"reset": True})
     began = time.monotonic()
     post(emulator, {"model": "m", "input": "x"})
-    assert time.monotonic() - began < 0.3
+    assert time.monotonic() - began < 1
 
 
 @pytest.mark.parametrize("options,obfuscated", [({}, True), ({"include_obfuscation": False}, False)])
