@@ -1,14 +1,23 @@
 """The WebSocket bridge's pure core: the messages it sends, the events it
 reads, the socket memory it matches turns against, the pool's bounds, and the
-relay's retries, with a socket that plays back scripted events."""
+relay's retries and bounds, with a socket that plays back scripted events;
+then its glue in-process: a flow is let go once mitmproxy is done with it."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import weakref
+from urllib.parse import urlsplit
 
 import msgspec
 import pytest
+from driver import httpx
+from mitmproxy import http
+from mitmproxy.proxy.mode_specs import ProxyMode
+from mitmproxy.proxy.layers.http import HttpRequestHook, HttpResponseHeadersHook, HttpResponseHook
+from mitmproxy.test import tflow, tutils
 from stateful_responses.items import item_digest
 from stateful_responses.reading import Reader, Reading, Request
 from stateful_responses.sse import SSEParser
@@ -428,3 +437,47 @@ async def test_after_the_client_has_bytes_a_broken_socket_breaks_its_stream():
 async def test_a_refused_reopening_goes_over_http_and_says_so():
     outcome, _, held, http = await run(Scripted([Scripted.CLOSE]))
     assert http and outcome.refused_upgrade == 404 and held.retired
+
+
+# -- the glue, in-process with mitmproxy's test helpers ----------------------------------------------
+
+
+def bridgeable_flow(url: str, body: dict, mode: str = "regular", host_header: str | None = None) -> tflow.HTTPFlow:
+    parts = urlsplit(url)
+    headers = [(b"authorization", b"Bearer sk-glue"), (b"proxy-authorization", b"Basic dXNlcjpwYXNz"),
+               (b"user-agent", b"glue-test"), (b"content-type", b"application/json")]
+    req = tutils.treq(method=b"POST", scheme=parts.scheme.encode(), host=parts.hostname,
+                      port=parts.port or (443 if parts.scheme == "https" else 80),
+                      path=(parts.path + (f"?{parts.query}" if parts.query else "")).encode(), content=json.dumps(body).encode(), headers=headers)
+    if host_header is not None:
+        req.host_header = host_header
+    flow = tflow.tflow(req=req)
+    flow.client_conn.proxy_mode = ProxyMode.parse(mode)
+    return flow
+
+
+async def test_a_bridged_flow_is_let_go_once_its_answer_is_done(emulator):
+    """The bridge's job refers to its flow: a flow mitmproxy is done with must not be kept for it."""
+    from test_addon import Glue
+
+    async with Glue(stateful_upstream_websocket="auto") as addon:
+        bridge, done, hooks_of = addon.bridge, [], addon.tctx.master.addons.invoke_addon
+        history: list = []
+        for n in range(3):
+            history.append({"role": "user", "content": f"glue turn {n}"})
+            flow = bridgeable_flow(emulator.url + "/v1/responses", {"model": "m", "store": False, "input": history})
+            await hooks_of(bridge, HttpRequestHook(flow))
+            assert flow.request.host == "127.0.0.1" and len(bridge._flows) == 1
+            async with httpx.AsyncClient(trust_env=False, timeout=30) as client:  # as mitmproxy fetches it
+                answer = await client.post(flow.request.url, content=b"")
+            flow.response = http.Response.make(answer.status_code, answer.content, dict(answer.headers))
+            await hooks_of(bridge, HttpResponseHeadersHook(flow))
+            assert flow.request.url == emulator.url + "/v1/responses"
+            await hooks_of(bridge, HttpResponseHook(flow))  # mitmproxy is done with the flow
+            history += answer.json()["output"]
+            done.append(weakref.ref(flow))
+        del flow
+        gc.collect()
+        assert len(bridge._flows) == 0 and [ref() for ref in done] == [None] * 3
+        log = emulator.model.snapshot_log()
+        assert [r["transport"] for r in log] == ["websocket"] * 3 and [r["continued"] for r in log] == [False, True, True]

@@ -65,6 +65,7 @@ class _Job:
     label: str
     client_bytes: int
     token: str
+    unclaimed: asyncio.TimerHandle | None = None  # gives the socket back if the loopback server never sees the flow
 
 
 def namespace(secret: bytes, upstream: str, model: str, credential: bytes) -> bytes:
@@ -163,6 +164,9 @@ class WebSocketBridge:
         if not flow.response.stream and not flow.metadata.get(HELD):
             flow.response.stream = True  # each event on to the client as it comes
 
+    def response(self, flow: http.HTTPFlow) -> None:
+        self._flows.pop(flow)  # the job refers to its flow: kept, it would keep the flow, its body and messages alive
+
     def error(self, flow: http.HTTPFlow) -> None:
         job = self._flows.pop(flow)
         if job is None:
@@ -242,7 +246,7 @@ class WebSocketBridge:
         """Point the flow at the loopback server (the last step: nothing after it can fail)."""
         self._jobs[job.token] = job
         self._flows.put(flow, job)
-        asyncio.get_running_loop().call_later(UNCLAIMED_S, self._unclaimed, job)
+        job.unclaimed = asyncio.get_running_loop().call_later(UNCLAIMED_S, self._unclaimed, job)
         where = f"127.0.0.1:{self.loopback.port}"
         flow.request.data = http.Request.make("POST", f"http://{where}{PATH_PREFIX}{job.token}", b"",
                                               {"host": where, "content-length": "0"}).data
@@ -258,6 +262,8 @@ class WebSocketBridge:
     def _unclaimed(self, job: _Job) -> None:
         """A flow that never reached the loopback server (the client went
         away): its socket goes back, its memory unchanged."""
+        if job.unclaimed is not None:
+            job.unclaimed.cancel()  # called from the error hook: the timer would hold the job, and its flow
         if self._jobs.get(job.token) is job:
             del self._jobs[job.token]
             self._close([c for c in [self.pool.release(job.held, job.held.tip)] if c is not None])
@@ -269,6 +275,8 @@ class WebSocketBridge:
         if job is None:
             await answer.json(404, b'{"error":{"message":"No such turn.","type":"invalid_request_error"}}')
             return
+        if job.unclaimed is not None:
+            job.unclaimed.cancel()  # claimed: the timer would hold the job, and its flow, a minute more
         try:
             await relay(job.turn, job.held, self.pool, answer)
         except Exception:
