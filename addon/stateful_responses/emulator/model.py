@@ -51,7 +51,7 @@ RESPONSES = "openai-responses"  # the log's ``protocol`` for this API
 # The faults the other APIs take; the rest are about Responses' own semantics.
 CONVERSATION_FAULTS = frozenset({"status", "reset", "html", "cut"})
 # The faults only a WebSocket turn takes; an HTTP request leaves them queued.
-SOCKET_ONLY_FAULTS = frozenset({"ws_close", "ws_error"})
+SOCKET_ONLY_FAULTS = frozenset({"ws_close", "ws_error", "ws_stall"})
 SOCKET_FAULTS = frozenset({"reject", "status", "failed", "incomplete", "stream_error"}) | SOCKET_ONLY_FAULTS
 
 
