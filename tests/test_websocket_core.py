@@ -296,9 +296,11 @@ class Writer:
 
 class Scripted:
     """A socket that answers each message with the next script: a list of
-    events (dicts), ending early with ``CLOSE`` to drop the connection."""
+    events (dicts), ending early with ``CLOSE`` to drop the connection or
+    ``STALL`` to send nothing more; a number is a pause of that many seconds."""
 
     CLOSE = object()
+    STALL = object()
 
     def __init__(self, *scripts: list) -> None:
         self.scripts = list(scripts)
@@ -315,6 +317,10 @@ class Scripted:
 
     async def recv(self) -> bytes:
         await asyncio.sleep(0)
+        while self.queue and isinstance(self.queue[0], float):
+            await asyncio.sleep(self.queue.pop(0))
+        if self.queue and self.queue[0] is Scripted.STALL:
+            await asyncio.Event().wait()  # pings would still be answered: only the turn is silent
         if not self.queue or self.queue[0] is Scripted.CLOSE:
             self.open = False
             raise ConnectionClosedError(None, None)
@@ -339,7 +345,8 @@ def refusal(status: int, code: str) -> list[dict]:
                                                          "message": "no", "param": None}}]
 
 
-async def run(*sockets: Scripted, streamed: bool = False, continued: bool = True, http=(200, [], b"{}")):
+async def run(*sockets: Scripted, streamed: bool = False, continued: bool = True, http=(200, [], b"{}"),
+              first_event_s: float = 5.0, silence_s: float = 5.0):
     """A turn through ``relay``: the first socket is held, later ones open as needed."""
     p, _ = pool()
     choice = p.choose("s", ROOT, digests(HISTORY), {})
@@ -360,7 +367,7 @@ async def run(*sockets: Scripted, streamed: bool = False, continued: bool = True
     history = HISTORY + OUTPUT + [{"role": "user", "content": "next"}]
     body, reading = read({"model": "m", "input": history, **({"stream": True} if streamed else {})})
     turn = Turn(streamed, ROOT, digests(history), socket_message(body, reading.fields), len(history), open_socket,
-                fall_back, settled.append)
+                fall_back, settled.append, first_event_s, silence_s)
     if continued:
         turn.continued, turn.items_sent = tip_of(), 1
         turn.delta_message = socket_message(body, reading.fields, reading.raw_items[3:], "resp_1")
@@ -437,6 +444,36 @@ async def test_after_the_client_has_bytes_a_broken_socket_breaks_its_stream():
 async def test_a_refused_reopening_goes_over_http_and_says_so():
     outcome, _, held, http = await run(Scripted([Scripted.CLOSE]))
     assert http and outcome.refused_upgrade == 404 and held.retired
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "sse"])
+async def test_no_first_event_within_its_bound_drops_the_socket_and_goes_over_http(streamed):
+    silent, spare = Scripted([Scripted.STALL]), Scripted(answered())
+    outcome, data, held, http = await run(silent, spare, streamed=streamed, first_event_s=0.05)
+    assert http and outcome.transport == "http" and outcome.retries == ["no event within 0.05 s"]
+    assert not silent.open and held.retired and not spare.sent  # over HTTP at once, not on another socket
+    assert data.startswith(b"HTTP/1.1 200") and b"event:" not in data
+
+
+async def test_a_json_client_has_no_byte_before_the_end_so_a_silence_mid_answer_goes_over_http():
+    events = answered(previous="resp_1")
+    outcome, data, held, http = await run(Scripted(events[:2] + [Scripted.STALL]), silence_s=0.05)
+    assert http and outcome.retries == ["no event within 0.05 s"] and outcome.dropped is None and held.retired
+
+
+async def test_a_silence_after_the_client_has_bytes_breaks_its_stream():
+    events = answered(previous="resp_1")
+    outcome, data, held, http = await run(Scripted(events[:2] + [Scripted.STALL]), streamed=True, silence_s=0.05)
+    assert outcome.dropped == "the socket fell silent for 0.05 s" and not http and data.count(b"event: ") == 2
+    assert not data.endswith(b"0\r\n\r\n") and held.retired
+
+
+async def test_a_silence_within_the_bounds_is_waited_out():
+    events = answered(previous="resp_1")
+    socket = Scripted([0.1, *events[:2], 0.2, events[2]])
+    outcome, data, held, http = await run(socket, streamed=True, first_event_s=0.15, silence_s=0.25)
+    assert not http and outcome.dropped is None and not outcome.retries and data.endswith(b"0\r\n\r\n")
+    assert held.tip.response_id == "resp_2"
 
 
 # -- the glue, in-process with mitmproxy's test helpers ----------------------------------------------

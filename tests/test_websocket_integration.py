@@ -32,7 +32,7 @@ from stateful_responses.view import render
 from stateful_responses.websocket.messages import sse_event
 
 AUTH = {"authorization": "Bearer sk-test-key"}
-SOCKET_FAULTS = ("ws_close", "ws_error")
+SOCKET_FAULTS = ("ws_close", "ws_error", "ws_stall")
 
 
 @pytest.fixture
@@ -191,6 +191,53 @@ def test_a_fault_before_the_first_event_is_retried_invisibly_with_full_history(e
     assert_context_preserved(conv.sent, reached_the_client(emulator))
     assert records(emulator)[-1]["continued"]  # and the socket continues again from the retried answer
     assert "after: the socket" in proxy.output()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_an_upstream_that_takes_a_turn_and_sends_nothing_is_given_up_and_the_turn_goes_over_http(
+        emulator, bridge, stream):
+    proxy = bridge("--set", "stateful_upstream_websocket_first_event_s=1")
+    conv = Conversation(proxy.url, stream=stream, options={"store": False})
+    converse(conv, 2)
+    emulator.model.control({"fail_next": [{"kind": "ws_stall", "when": "continued"}]})  # silent until dropped
+    conv = Conversation(proxy.url, stream=stream, options={"store": False}, history=conv.history, sent=conv.sent)
+    started = time.monotonic()
+    conv.turn("the upstream takes this and says nothing")
+    assert 1 <= time.monotonic() - started < 10
+    converse(conv, 2, "after the silence ")
+    log = records(emulator)
+    stalled = next(r for r in log if r["fault"] == "ws_stall")
+    over_http, fresh = log[log.index(stalled) + 1: log.index(stalled) + 3]
+    assert stalled["continued"] and over_http["transport"] == "http" and over_http["previous_response_id"] is None
+    assert fresh["transport"] == "websocket" and fresh["socket"] != stalled["socket"] and not fresh["continued"]
+    assert_context_preserved(conv.sent, reached_the_client(emulator))
+    assert log[-1]["continued"] and "after: no event within 1 s" in proxy.output()
+    assert len(emulator._server._sockets) == 1  # the silent socket was dropped
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_silence_mid_answer_is_invisible_to_a_json_client_and_breaks_a_streaming_clients_stream(
+        emulator, bridge, stream):
+    proxy = bridge("--set", "stateful_upstream_websocket_silence_s=1")
+    emulator.model.control({"slow_ms": 200})  # a pause between events within the bound is waited out
+    conv = Conversation(proxy.url, stream=stream, options={"store": False})
+    converse(conv, 1)
+    emulator.model.control({"slow_ms": 0, "fail_next": [{"kind": "ws_stall", "after_events": 3}]})
+    conv = Conversation(proxy.url, stream=stream, options={"store": False}, history=conv.history, sent=conv.sent)
+    if stream:
+        with pytest.raises((openai.APIError, httpx.HTTPError)):
+            conv.turn("this stream falls silent")
+        conv.history.pop()
+        conv.sent.pop()
+    else:
+        conv.turn("this answer falls silent before the client has a byte")
+    converse(conv, 2, "the client goes on ")  # as an SDK retries a dropped stream
+    log = records(emulator)
+    stalled = next(r for r in log if r["fault"] == "ws_stall")
+    after = log[log.index(stalled) + 1]
+    assert after["transport"] == ("websocket" if stream else "http") and after["previous_response_id"] is None
+    assert_context_preserved(conv.sent, reached_the_client(emulator))
+    assert ("the socket fell silent for 1 s mid-answer" if stream else "after: no event within 1 s") in proxy.output()
 
 
 def test_a_socket_past_its_lifetime_is_replaced_invisibly(emulator, bridge):

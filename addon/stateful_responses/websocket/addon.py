@@ -209,7 +209,7 @@ class WebSocketBridge:
     async def _take(self, flow: http.HTTPFlow, reading: Reading, root: bytes, references: dict[bytes, str],
                     held: Held, tip: Tip | None, fresh: bool) -> None:
         """Open the socket if it is new, then make the turn and point the flow at the loopback server."""
-        scope, label = reading.scope, reading.label
+        scope, label, s = reading.scope, reading.label, self.settings
         target = target_of(flow.request)
         if fresh:
             self._debug("ws: opening a socket to %s", label)
@@ -233,7 +233,8 @@ class WebSocketBridge:
         turn = Turn(streamed=bytes(fields.get("stream", b"")) == b"true", root=root, digests=digests,
                     full_message=socket_message(body, fields), items_total=len(digests),
                     open_socket=lambda: open_socket(target, tls_options()),
-                    over_http=lambda: self._over_http(flow, client), settle=lambda outcome: self._settle(job, outcome))
+                    over_http=lambda: self._over_http(flow, client), settle=lambda outcome: self._settle(job, outcome),
+                    first_event_s=s.upstream_websocket_first_event_s, silence_s=s.upstream_websocket_silence_s)
         if tip is not None:
             assert reading.raw_items is not None  # a string input is one item: it extends nothing
             turn.continued, turn.items_sent = tip, len(digests) - tip.length
@@ -326,7 +327,7 @@ class WebSocketBridge:
         if outcome.retries:
             summary += f" (after: {'; '.join(outcome.retries)})"
         if outcome.dropped:
-            summary += "; the socket broke mid-answer: the client's stream was cut"
+            summary += f"; {outcome.dropped} mid-answer: the client's stream was cut"
         flow.comment, flow.marked = summary, MARKS[action] if not outcome.retries else ":warning:"
         flow.metadata[BRIDGED] = {"transport": outcome.transport, "action": action,
                                   "previous_response_id": outcome.previous_response_id,
