@@ -403,14 +403,15 @@ async def test_a_socket_that_closes_before_the_first_event_is_replaced_and_the_t
     assert b"200 OK" in data
 
 
-@pytest.mark.parametrize("code", ["previous_response_not_found", "websocket_connection_limit_reached"])
+@pytest.mark.parametrize("code", ["previous_response_not_found", "websocket_connection_limit_reached",
+                                  "conversation_already_has_active_response"])
 async def test_a_state_error_sends_the_turn_whole_and_the_client_never_hears_of_it(code):
     first = Scripted(refusal(400, code), answered())
     second = Scripted(answered())
     outcome, data, _, http = await run(first, second)
-    retried = (first if code == "previous_response_not_found" else second).sent[-1]
+    retried = (first if code == "previous_response_not_found" else second).sent[-1]  # a socket busy or spent: a fresh one
     assert "previous_response_id" not in retried and len(retried["input"]) == 4
-    assert first.closed_by_us is (code == "websocket_connection_limit_reached")
+    assert first.closed_by_us is (code != "previous_response_not_found")
     assert b"200 OK" in data and not http and outcome.retries
 
 

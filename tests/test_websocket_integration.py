@@ -193,6 +193,25 @@ def test_a_fault_before_the_first_event_is_retried_invisibly_with_full_history(e
     assert "after: the socket" in proxy.output()
 
 
+def test_a_socket_still_running_a_response_is_replaced_invisibly(emulator, bridge):
+    """The upstream keeps a turn running after its last event: the next turn's create is refused as busy."""
+    proxy = bridge()
+    conv = Conversation(proxy.url, options={"store": False})
+    converse(conv, 2)
+    emulator.model.control({"fail_next": [{"kind": "ws_stall", "after_events": 100, "ms": 5000}]})
+    conv = Conversation(proxy.url, options={"store": False}, history=conv.history, sent=conv.sent)
+    converse(conv, 2, "right after a turn that still runs ")
+    log = records(emulator)
+    refused = [r for r in log if r["status_code"] != 200]
+    assert [r["error"]["code"] for r in refused] == ["conversation_already_has_active_response"]
+    busy, retry = log[log.index(refused[0]) - 1], log[log.index(refused[0]) + 1]
+    assert busy["fault"] == "ws_stall" and refused[0]["socket"] == busy["socket"] != retry["socket"]
+    assert retry["transport"] == "websocket" and retry["previous_response_id"] is None  # whole, on a fresh socket
+    assert_context_preserved(conv.sent, [r for r in log if r["status_code"] == 200])  # the busy turn's answer too
+    assert log[-1]["continued"] and "after: the socket refused it (conversation_already_has_active_response)" \
+        in proxy.output()
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_an_upstream_that_takes_a_turn_and_sends_nothing_is_given_up_and_the_turn_goes_over_http(
         emulator, bridge, stream):

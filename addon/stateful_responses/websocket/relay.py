@@ -31,6 +31,7 @@ from websockets.exceptions import ConnectionClosed
 from .connect import Refused, Unreachable, UpstreamSocket
 from .loopback import Answer
 from .messages import (
+    UNUSABLE_SOCKET_ERRORS,
     Event,
     Tip,
     echoed_previous,
@@ -95,7 +96,7 @@ async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
     before the client has the answer's end: the client's next request finds it."""
     outcome = Outcome()
     continued = turn.continued
-    worn_out = False  # the socket's own limit was reached: the next attempt takes a fresh one
+    worn_out = False  # the socket cannot take the turn (its age, or a response still running): a fresh one does
     for attempt in (1, 2):
         if (not held.open or worn_out) and not await _reopen(turn, held, pool, outcome):
             break
@@ -142,7 +143,7 @@ async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
         reason = f"the socket refused it ({event.error_code or event.status})"
         if attempt == 1 and retried_on_a_socket(event, continued is not None):
             outcome.retries.append(reason)
-            if event.error_code == "websocket_connection_limit_reached":
+            if event.error_code in UNUSABLE_SOCKET_ERRORS:
                 held.connection.close_soon()
                 worn_out = True
             continued = None
