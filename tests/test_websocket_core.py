@@ -1,7 +1,7 @@
 """The WebSocket bridge's pure core: the messages it sends, the events it
 reads, the socket memory it matches turns against, the pool's bounds, and the
 relay's retries and bounds, with a socket that plays back scripted events;
-then its glue in-process: a flow is let go once mitmproxy is done with it."""
+then its glue in-process: where a flow's socket goes, and that a flow is let go."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from mitmproxy.test import tflow, tutils
 from stateful_responses.items import item_digest
 from stateful_responses.reading import Reader, Reading, Request
 from stateful_responses.sse import SSEParser
+from stateful_responses.websocket.addon import target_of
 from stateful_responses.websocket.connect import Refused
 from stateful_responses.websocket.loopback import Answer
 from stateful_responses.websocket.messages import (
@@ -492,6 +493,20 @@ def bridgeable_flow(url: str, body: dict, mode: str = "regular", host_header: st
     flow = tflow.tflow(req=req)
     flow.client_conn.proxy_mode = ProxyMode.parse(mode)
     return flow
+
+
+def test_in_transparent_mode_the_socket_goes_to_the_address_under_the_host_headers_name():
+    flow = bridgeable_flow("https://10.1.2.3:443/v1/responses?api-version=1", {}, "transparent",
+                           host_header="api.example.test")
+    target = target_of(flow.request)
+    assert (target.url, target.server_name, target.host, target.port) == (
+        "wss://api.example.test/v1/responses?api-version=1", "api.example.test", "10.1.2.3", 443)
+    assert dict(target.headers) == {"authorization": "Bearer sk-glue", "user-agent": "glue-test"}  # no proxy auth
+    other_port = bridgeable_flow("http://[fd00::5]:8080/v1/responses", {}, "transparent", host_header="[fd00::5]:8080")
+    assert (target_of(other_port.request).url, target_of(other_port.request).host) == (
+        "ws://[fd00::5]:8080/v1/responses", "fd00::5")  # a Host header that is an address too
+    named = bridgeable_flow("https://api.example.test/v1/responses", {}, "regular", host_header="elsewhere.test")
+    assert target_of(named.request).url == "wss://api.example.test/v1/responses"  # a name is never replaced
 
 
 async def test_a_bridged_flow_is_let_go_once_its_answer_is_done(emulator):

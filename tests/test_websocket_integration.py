@@ -537,6 +537,37 @@ def test_regular_mode_over_tls_honours_mitmproxys_upstream_tls_options(tmp_path,
     assert drop_nulls(log[-1]["context"]) == drop_nulls(expand_input(sent[-1]["input"]))
 
 
+def test_transparent_mode_sends_the_socket_to_the_address_under_the_host_headers_name(tmp_path, start_proxy):
+    """Transparent mode without root networking: mitmproxy's lookup of a redirected connection's original
+    destination (netfilter's SO_ORIGINAL_DST) is replaced by one naming the emulator; mitmproxy's transparent
+    layer and the bridge are real. The emulator's certificate names localhost and no address: a socket
+    verified against the address instead of the Host header's name would fail, and the turns go over HTTP."""
+    from stateful_responses.emulator import Emulator
+    from test_https_proxy_integration import self_signed
+
+    cert, key = self_signed(tmp_path, dns_name="localhost")
+    with Emulator(certfile=cert, keyfile=key) as emu:
+        original_destination = tmp_path / "original_destination.py"
+        original_destination.write_text("from mitmproxy import platform\n"
+                                        f"platform.original_addr = lambda sock: ('127.0.0.1', {emu.port})\n")
+        proxy = start_proxy(emu.url, "-s", str(original_destination), "--set", f"ssl_verify_upstream_trusted_ca={cert}",
+                            "--set", "stateful_debug=true", mode="transparent", upstream_websocket="auto")
+        ca = Path(proxy.confdir) / "mitmproxy-ca-cert.pem"
+        sent: list = []
+        client = openai.OpenAI(base_url=f"https://localhost:{proxy.port}/v1", api_key="sk-transparent", max_retries=0,
+                               http_client=httpx.Client(verify=str(ca), trust_env=False, timeout=30, event_hooks={
+                                   "request": [lambda r: sent.append(json.loads(r.read()))]}))
+        history: list = []
+        for n in range(3):
+            history.append({"role": "user", "content": f"transparent turn {n}"})
+            history += client.responses.create(model="gpt-test", input=history, store=False).output
+        client.close()
+        log = emu.model.snapshot_log()
+    assert [r["transport"] for r in log] == ["websocket"] * 3 and [r["continued"] for r in log] == [False, True, True]
+    assert drop_nulls(log[-1]["context"]) == drop_nulls(expand_input(sent[-1]["input"]))
+    assert "ws: continued from resp_" in proxy.output()
+
+
 def test_in_upstream_proxy_mode_the_bridge_stays_off(emulator, start_proxy):
     upstream_proxy = start_proxy(emulator.url, script=False, mode="regular")
     proxy = start_proxy(emulator.url, "--set", "stateful_debug=true", mode=f"upstream:{upstream_proxy.url}",
