@@ -259,6 +259,18 @@ def test_a_silence_mid_answer_is_invisible_to_a_json_client_and_breaks_a_streami
     assert ("the socket fell silent for 1 s mid-answer" if stream else "after: no event within 1 s") in proxy.output()
 
 
+def test_while_the_upgrade_rests_after_a_failure_turns_go_over_http_with_the_clients_store(emulator, bridge):
+    emulator.model.control({"websocket": "unavailable"})
+    proxy = bridge()
+    conv = Conversation(proxy.url, options={"store": False})
+    converse(conv, 3)
+    log = records(emulator)
+    assert_context_preserved(conv.sent, log)
+    assert all(r["transport"] == "http" and r["store"] is False and r["stored"] is False for r in log)  # never forced
+    output = proxy.output()
+    assert output.count("ws: opening a socket") == 1 and "refused the upgrade for now (503)" in output
+
+
 def test_a_socket_past_its_lifetime_is_replaced_invisibly(emulator, bridge):
     emulator.model.control({"ws_lifetime_s": 0.5})
     proxy = bridge()
@@ -411,9 +423,8 @@ def test_two_turns_on_one_branch_at_once_get_their_own_sockets(emulator, bridge)
 
 
 def test_turns_beyond_the_socket_cap_go_over_http_with_the_clients_store(emulator, bridge):
+    """Even before the upstream's first answer on a socket: no forced store while WebSocket mode may serve it."""
     proxy = bridge("--set", "stateful_upstream_websocket_max_sockets=1")
-    first = Conversation(proxy.url, as_dicts=True, options={"store": False})
-    converse(first, 2)  # a continuation over the socket: the upstream serves WebSocket mode
     emulator.model.control({"think_ms": 500})
     busy = threading.Thread(target=converse, args=(Conversation(proxy.url, options={"store": False}), 1, "busy "))
     busy.start()
@@ -580,8 +591,10 @@ def test_in_upstream_proxy_mode_the_bridge_stays_off(emulator, start_proxy):
     history: list = []
     for n in range(3):
         history.append({"role": "user", "content": f"turn {n}"})
-        history += [o.model_dump() for o in client.responses.create(model="gpt-test", input=history).output]
+        history += [o.model_dump() for o in client.responses.create(model="gpt-test", input=history,
+                                                                    store=False).output]
     client.close()
     assert [r["transport"] for r in records(emulator)] == ["http"] * 3
+    assert [r["store"] for r in records(emulator)] == [True] * 3  # no socket here: forward mode forces as before
     assert_context_preserved(sent, records(emulator))
     assert "ws: " not in proxy.output()

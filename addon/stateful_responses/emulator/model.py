@@ -80,7 +80,7 @@ class Faults:
     gzip: bool = False
     background_delay_ms: int = 200  # a background response's time from queued to finished
     read_rate_bytes_per_s: int = 0  # request bodies are read at this rate (0: as fast as they come)
-    websocket: str | None = None  # "refuse": WebSocket upgrades are refused, as by a server without the mode
+    websocket: str | None = None  # "refuse": upgrades get 404, as without the mode; "unavailable": 503
     ws_lifetime_s: float = 3600  # a socket's lifetime, after which response.create is refused
     next: list[dict] = field(default_factory=list)  # one-shot faults, FIFO
 

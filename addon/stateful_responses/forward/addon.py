@@ -24,6 +24,7 @@ from ..flows import (
     HELD,
     RETRY_OF,
     PerFlow,
+    bridge_runs_for,
     end_still_to_come,
     hold,
     internal_error,
@@ -221,7 +222,8 @@ class ForwardMode:
         instead of the client's, or None to send the client's."""
         retry_of = flow.metadata.get(RETRY_OF)
         client_body = original.raw_content or b""
-        plan = self.planner.plan(request_of(flow, original), rewrite=retry_of is None)
+        plan = self.planner.plan(request_of(flow, original), rewrite=retry_of is None,
+                                 websocket_mode=bridge_runs_for(flow))
         if plan.upstream == "":
             return None  # not a Responses API request: no trace at all
         flow.metadata[DECISION] = _metadata(plan)

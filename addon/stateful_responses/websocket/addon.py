@@ -27,11 +27,20 @@ from dataclasses import dataclass
 
 from blake3 import blake3
 from mitmproxy import ctx, http
-from mitmproxy.proxy import mode_specs
 
 from ..bounded import Bounded
 from ..counters import Counters
-from ..flows import BRIDGED, CLIENT_BODY, DECISION, HELD, RETRY_OF, PerFlow, internal_error, request_of
+from ..flows import (
+    BRIDGED,
+    CLIENT_BODY,
+    DECISION,
+    HELD,
+    RETRY_OF,
+    PerFlow,
+    bridge_runs_for,
+    internal_error,
+    request_of,
+)
 from ..reading import Reader, Reading, upstream_of
 from ..replays import Replays, bad_gateway
 from ..settings import Config, Settings
@@ -181,8 +190,7 @@ class WebSocketBridge:
         req = flow.request
         return (s.enabled and s.upstream_websocket == "auto" and req.method == "POST" and flow.response is None
                 and req.raw_content is not None and upstream_of(req.url) is not None and s.url_matches(req.url)
-                and not ({RETRY_OF, DECISION, CLIENT_BODY} & flow.metadata.keys())
-                and not isinstance(flow.client_conn.proxy_mode, mode_specs.UpstreamMode))
+                and not ({RETRY_OF, DECISION, CLIENT_BODY} & flow.metadata.keys()) and bridge_runs_for(flow))
 
     async def _bridge(self, flow: http.HTTPFlow) -> None:
         reading = self.reader.read(request_of(flow), count=False)
@@ -307,7 +315,6 @@ class WebSocketBridge:
             if continued:
                 c.continued += 1
                 c.delta_items += outcome.items_sent
-                self.upstreams.mark("accepts_websocket", job.scope)
             else:
                 c.full_items += outcome.items_sent
             sent = turn.delta_message if continued and turn.delta_message is not None else turn.full_message
