@@ -264,6 +264,14 @@ def test_a_refused_upgrade_is_an_http_error_the_sdk_raises(emulator):
         completed(conn, input="accepted again")
 
 
+def test_an_upgrade_answered_unavailable_is_a_503(emulator):
+    emulator.model.control({"websocket": "unavailable"})
+    with pytest.raises(InvalidStatus) as refused:
+        sdk(emulator).responses.connect().enter()
+    assert refused.value.response.status_code == 503
+    assert json.loads(refused.value.response.body)["error"]["type"] == "server_error"
+
+
 def test_an_upgrade_without_a_credential_gets_the_apis_401(emulator):
     with pytest.raises(InvalidStatus) as refused:
         raw_socket(emulator, key=None)
