@@ -198,7 +198,8 @@ async def _exchange(socket: UpstreamSocket, message: bytes, previous: str | None
     try:
         while True:
             try:
-                text = await asyncio.wait_for(socket.recv(), wait)
+                async with asyncio.timeout(wait):  # no task per event, as wait_for would make
+                    text = await socket.recv()
             except TimeoutError:
                 return _Exchange("silent", waited=wait)
             wait = turn.silence_s
