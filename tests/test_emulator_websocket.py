@@ -351,7 +351,8 @@ def test_ws_stall_after_the_last_event_keeps_the_turn_running(emulator):
         first = json.loads(raw_turn(ws, json.dumps({**create, "input": "one"}))[-1])["response"]
         refused = [json.loads(m) for m in raw_turn(ws, json.dumps({**create, "input": "two"}))]
         time.sleep(0.5)
-        third = json.loads(raw_turn(ws, json.dumps({**create, "input": "three", "previous_response_id": first["id"]}))[-1])
+        third = json.loads(raw_turn(ws, json.dumps({**create, "input": "three",
+                                                    "previous_response_id": first["id"]}))[-1])
     assert first["status"] == "completed" and [m["type"] for m in refused] == ["error"]
     assert refused[0]["error"]["code"] == "conversation_already_has_active_response"
     assert third["type"] == "response.completed"  # the refusal evicted nothing

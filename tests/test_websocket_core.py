@@ -410,7 +410,7 @@ async def test_a_state_error_sends_the_turn_whole_and_the_client_never_hears_of_
     first = Scripted(refusal(400, code), answered())
     second = Scripted(answered())
     outcome, data, _, http = await run(first, second)
-    retried = (first if code == "previous_response_not_found" else second).sent[-1]  # a socket busy or spent: a fresh one
+    retried = (first if code == "previous_response_not_found" else second).sent[-1]  # busy or spent: a fresh one
     assert "previous_response_id" not in retried and len(retried["input"]) == 4
     assert first.closed_by_us is (code != "previous_response_not_found")
     assert b"200 OK" in data and not http and outcome.retries
@@ -487,7 +487,8 @@ def bridgeable_flow(url: str, body: dict, mode: str = "regular", host_header: st
                (b"user-agent", b"glue-test"), (b"content-type", b"application/json")]
     req = tutils.treq(method=b"POST", scheme=parts.scheme.encode(), host=parts.hostname,
                       port=parts.port or (443 if parts.scheme == "https" else 80),
-                      path=(parts.path + (f"?{parts.query}" if parts.query else "")).encode(), content=json.dumps(body).encode(), headers=headers)
+                      path=(parts.path + (f"?{parts.query}" if parts.query else "")).encode(),
+                      content=json.dumps(body).encode(), headers=headers)
     if host_header is not None:
         req.host_header = host_header
     flow = tflow.tflow(req=req)
@@ -502,9 +503,9 @@ def test_in_transparent_mode_the_socket_goes_to_the_address_under_the_host_heade
     assert (target.url, target.server_name, target.host, target.port) == (
         "wss://api.example.test/v1/responses?api-version=1", "api.example.test", "10.1.2.3", 443)
     assert dict(target.headers) == {"authorization": "Bearer sk-glue", "user-agent": "glue-test"}  # no proxy auth
-    other_port = bridgeable_flow("http://[fd00::5]:8080/v1/responses", {}, "transparent", host_header="[fd00::5]:8080")
-    assert (target_of(other_port.request).url, target_of(other_port.request).host) == (
-        "ws://[fd00::5]:8080/v1/responses", "fd00::5")  # a Host header that is an address too
+    ipv6 = target_of(bridgeable_flow("http://[fd00::5]:8080/v1/responses", {}, "transparent",
+                                     host_header="[fd00::5]:8080").request)
+    assert (ipv6.url, ipv6.host, ipv6.port) == ("ws://[fd00::5]:8080/v1/responses", "fd00::5", 8080)  # no name
     named = bridgeable_flow("https://api.example.test/v1/responses", {}, "regular", host_header="elsewhere.test")
     assert target_of(named.request).url == "wss://api.example.test/v1/responses"  # a name is never replaced
 
@@ -533,4 +534,5 @@ async def test_a_bridged_flow_is_let_go_once_its_answer_is_done(emulator):
         gc.collect()
         assert len(bridge._flows) == 0 and [ref() for ref in done] == [None] * 3
         log = emulator.model.snapshot_log()
-        assert [r["transport"] for r in log] == ["websocket"] * 3 and [r["continued"] for r in log] == [False, True, True]
+        assert [r["transport"] for r in log] == ["websocket"] * 3
+        assert [r["continued"] for r in log] == [False, True, True]
