@@ -22,7 +22,8 @@
   websocket  the WebSocket bridge: upstream bytes vs the delta-only limit, turn
            time over a 10 Mbit/s uplink next to HTTP continuation and plain
            mitmdump, first-event time next to a socket of the client's own,
-           memory per held socket
+           memory per held socket and per bridged turn (websocket_bytes,
+           websocket_uplink, websocket_first_event, websocket_memory: one part)
 
 ``scripts/bench [--quick] [--only NAME ...]``; results go to stdout as Markdown.
 """
@@ -1257,10 +1258,39 @@ def held_sockets_rss(upstream: str, sockets: int) -> float:
     return (after - before) * 1024 / sockets
 
 
+def per_turn_rss(emu, proxy, transport: str, turns: int) -> float:
+    """mitmdump's RSS growth per turn over ``turns`` turns, after a warm-up of as many: 10-turn tool-using
+    conversations, ``store: false``, one after another (about 2 KB of text a turn), each turn reaching the
+    emulator over ``transport``."""
+    logged = len(emu.model.snapshot_log())
+    try:
+        with httpx.Client(trust_env=False, timeout=60) as http:
+            def conversations(tag: str) -> int:
+                done = 0
+                while done < turns:
+                    done += sum(1 for _ in converse(http, [proxy.url], 10, f"{tag} {done}", pad=2000,
+                                                    extra=STORE_FALSE))
+                return done
+
+            conversations("warm-up")
+            time.sleep(1)
+            before = process_rss_mb(proxy.process.pid)
+            measured = conversations("measured")
+            time.sleep(1)
+            after = process_rss_mb(proxy.process.pid)
+    finally:
+        proxy.stop()
+    assert {r["transport"] for r in emu.model.snapshot_log()[logged:]} == {transport}
+    return (after - before) * 1024 * 1024 / measured
+
+
 def websocket_memory(quick: bool) -> list[str]:
     sockets = 100 if quick else 400
+    turns = 500 if quick else 3000
     with Emulator() as emu:
         plain = held_sockets_rss(emu.url, sockets)
+        per_turn = {"bridge": per_turn_rss(emu, bridged(emu.url), "websocket", turns),
+                    "http": per_turn_rss(emu, start_mitmdump(emu.url), "http", turns)}
     upstream = DeflateUpstream()
     try:
         deflated = held_sockets_rss(upstream.url, sockets)
@@ -1271,6 +1301,12 @@ def websocket_memory(quick: bool) -> list[str]:
             f"{sockets} idle sockets, each remembering a response) | per socket |", "|---|---|",
             f"| upstream declines permessage-deflate (the emulator) | {plain:.0f} kB |",
             f"| upstream accepts permessage-deflate (zlib contexts on both directions) | {deflated:.0f} kB |",
+            "", f"| memory per turn (mitmdump's RSS growth over {turns:,} turns of 10-turn conversations, "
+            "`store: false`, after as many to warm up) | per turn |", "|---|---|",
+            f"| over the bridge's sockets (up to 32, reused) | **{per_turn['bridge']:,.0f} B** |",
+            f"| HTTP continuation (forward mode) | {per_turn['http']:,.0f} B |",
+            "", "Both keep what every turn leaves in the addon's bounded tables (the continuation record's chain "
+            "index above all) until those fill; the bridge keeps nothing of a turn once its answer is done.",
             "", f"Libraries, {sockets} idle connections opened in one process to the deflate upstream (tracemalloc: "
             "Python allocations only): websockets' asyncio client, as the bridge uses it, "
             f"{library['websockets']:.1f} kB a connection; wsproto driven by asyncio streams, "
@@ -1329,7 +1365,9 @@ def bench_websocket(quick: bool) -> list[str]:
 
 BENCHES = {"bytes": bench_bytes, "uplink": bench_uplink, "tax": bench_tax, "plan": bench_plan, "sse": bench_sse,
            "memory": bench_memory, "stores": bench_stores, "agents": bench_agents, "record": bench_record,
-           "seal": bench_seal, "conversation": bench_conversation, "websocket": bench_websocket}
+           "seal": bench_seal, "conversation": bench_conversation, "websocket": bench_websocket,
+           **{part.__name__: part for part in (websocket_bytes, websocket_uplink, websocket_first_event,
+                                               websocket_memory)}}
 
 
 def main() -> None:

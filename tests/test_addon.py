@@ -33,7 +33,8 @@ def responses_flow(body: dict | bytes, answer: dict | None = None) -> tflow.HTTP
 
 class Glue:
     """The addons as the entry script lists them, in mitmproxy's test context,
-    with an in-memory store."""
+    with an in-memory store and, as the harness's mitmdump, the WebSocket
+    bridge off unless a test turns it on."""
 
     def __init__(self, **options) -> None:
         self.addons = make_addons()
@@ -41,7 +42,7 @@ class Glue:
          self.forward, _, _, _,
          self.replays, _) = self.addons
         self.planner = self.forward.planner
-        self._options = {"stateful_store": "memory", **options}
+        self._options = {"stateful_store": "memory", "stateful_upstream_websocket": "off", **options}
         # The proof's GET goes through mitmproxy's replay, which needs a running
         # proxy (the integration tests send it for real): here it succeeds at once.
         self.forward.proofs.start = lambda flow, scope, label, upstream, response_id: \

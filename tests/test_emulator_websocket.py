@@ -264,6 +264,14 @@ def test_a_refused_upgrade_is_an_http_error_the_sdk_raises(emulator):
         completed(conn, input="accepted again")
 
 
+def test_an_upgrade_answered_unavailable_is_a_503(emulator):
+    emulator.model.control({"websocket": "unavailable"})
+    with pytest.raises(InvalidStatus) as refused:
+        sdk(emulator).responses.connect().enter()
+    assert refused.value.response.status_code == 503
+    assert json.loads(refused.value.response.body)["error"]["type"] == "server_error"
+
+
 def test_an_upgrade_without_a_credential_gets_the_apis_401(emulator):
     with pytest.raises(InvalidStatus) as refused:
         raw_socket(emulator, key=None)
@@ -313,6 +321,55 @@ def test_ws_error_sends_an_error_event_instead_of_the_turn(emulator):
         received = raw_turn(ws, json.dumps({"type": "response.create", "model": "m", "input": "x"}))
     assert [json.loads(m) for m in received] == [{"type": "error", "status": 429, "error": {
         "message": "Rate limit reached.", "type": "requests", "param": None, "code": "rate_limit_exceeded"}}]
+
+
+def test_ws_stall_silences_the_turn_while_pings_are_answered_and_a_second_turn_is_refused(emulator):
+    emulator.model.control({"fail_next": [{"kind": "ws_stall", "after_events": 1, "ms": 600}]})
+    with raw_socket(emulator) as ws:
+        started = time.monotonic()
+        ws.send(json.dumps({"type": "response.create", "model": "m", "input": "x"}))
+        assert json.loads(ws.recv(timeout=10))["type"] == "response.created"
+        with pytest.raises(TimeoutError):
+            ws.recv(timeout=0.2)
+        assert ws.ping().wait(5)  # the socket is alive: only the turn is silent
+        ws.send(json.dumps({"type": "response.create", "model": "m", "input": "y"}))
+        refusal = json.loads(ws.recv(timeout=10))
+        rest = [json.loads(ws.recv(timeout=10))]
+        while rest[-1]["type"] not in TERMINAL:
+            rest.append(json.loads(ws.recv(timeout=10)))
+    assert refusal["type"] == "error" and refusal["error"]["code"] == "conversation_already_has_active_response"
+    assert rest[0]["type"] == "response.in_progress" and rest[-1]["type"] == "response.completed"
+    assert time.monotonic() - started >= 0.6
+    assert [(r.get("fault"), r.get("error", {}).get("code")) for r in socket_records(emulator)] == [
+        ("ws_stall", None), (None, "conversation_already_has_active_response")]
+
+
+def test_ws_stall_after_the_last_event_keeps_the_turn_running(emulator):
+    emulator.model.control({"fail_next": [{"kind": "ws_stall", "after_events": 100, "ms": 500}]})
+    with raw_socket(emulator) as ws:
+        create = {"type": "response.create", "model": "m", "store": False}
+        first = json.loads(raw_turn(ws, json.dumps({**create, "input": "one"}))[-1])["response"]
+        refused = [json.loads(m) for m in raw_turn(ws, json.dumps({**create, "input": "two"}))]
+        time.sleep(0.5)
+        third = json.loads(raw_turn(ws, json.dumps({**create, "input": "three",
+                                                    "previous_response_id": first["id"]}))[-1])
+    assert first["status"] == "completed" and [m["type"] for m in refused] == ["error"]
+    assert refused[0]["error"]["code"] == "conversation_already_has_active_response"
+    assert third["type"] == "response.completed"  # the refusal evicted nothing
+
+
+def test_ws_stall_lasts_until_the_client_gives_up(emulator):
+    emulator.model.control({"fail_next": [{"kind": "ws_stall"}]})
+    with raw_socket(emulator) as ws:
+        ws.send(json.dumps({"type": "response.create", "model": "m", "input": "x"}))
+        with pytest.raises(TimeoutError):
+            ws.recv(timeout=0.5)
+    for _ in range(100):
+        if not emulator._server._sockets:
+            break
+        time.sleep(0.05)
+    record = socket_records(emulator)[-1]
+    assert not emulator._server._sockets and record["fault"] == "ws_stall" and "messages" not in record  # none sent
 
 
 def test_http_requests_leave_websocket_faults_queued(emulator):

@@ -30,7 +30,8 @@ CLIENT = textwrap.dedent("""
 """)
 
 
-def self_signed(tmp: Path) -> tuple[str, str]:
+def self_signed(tmp: Path, dns_name: str | None = None) -> tuple[str, str]:
+    """A CA certificate for 127.0.0.1 (or, given ``dns_name``, for that name alone) and its key."""
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "emulator.test")])
     now = datetime.datetime.now(datetime.UTC)
@@ -38,7 +39,8 @@ def self_signed(tmp: Path) -> tuple[str, str]:
         x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(dns_name) if dns_name else
+                                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
     )

@@ -323,19 +323,20 @@ def test_a_forced_store_counts_as_refused_only_when_the_original_then_went_throu
     assert planner.plan(request(conv, "other-tenant")).forced_store
 
 
-def test_no_store_is_forced_where_the_upstreams_websocket_mode_serves_the_deltas():
+def test_no_store_is_forced_where_the_upstreams_websocket_mode_may_serve_the_deltas():
+    """Until the upstream + credential refused the upgrade: its verdict pending, the upgrade resting
+    after a failure, or every socket busy, the request goes with the client's store."""
     planner = Planner()
     conv = [{"role": "user", "content": "x"}]
-    scope = planner.plan(request(conv, store=False)).scope
-    planner.upstreams.mark("accepts_websocket", scope)
-    plan = planner.plan(request(conv, store=False))
+    plan = planner.plan(request(conv, store=False), websocket_mode=True)
     assert not plan.forced_store and plan.body is None  # the client's own body, store: false kept
-    assert planner.plan(request(conv, "other-tenant", store=False)).forced_store
+    assert planner.plan(request(conv, store=False)).forced_store  # no bridge in this proxy mode (upstream:)
     planner.config.update(Settings(upstream_websocket="off"))  # no bridge: forward mode forces as before
-    assert planner.plan(request(conv, store=False)).forced_store
+    assert planner.plan(request(conv, store=False), websocket_mode=True).forced_store
     planner.config.update(Settings())
-    planner.upstreams.mark("refuses_websocket", scope)  # it refused since
-    assert planner.plan(request(conv, store=False)).forced_store
+    planner.upstreams.mark("refuses_websocket", plan.scope)  # no WebSocket mode there
+    assert planner.plan(request(conv, store=False), websocket_mode=True).forced_store
+    assert not planner.plan(request(conv, "other-tenant", store=False), websocket_mode=True).forced_store
 
 
 def a_continuing_request() -> tuple[Planner, Request]:

@@ -41,12 +41,15 @@ def test_misspelled_names_are_found():
 def test_the_websocket_bridge_is_on_where_the_upstream_accepts_it_by_default():
     s = Settings.from_options({})
     assert (s.upstream_websocket, s.upstream_websocket_max_sockets, s.upstream_websocket_idle_s) == ("auto", 32, 300)
+    assert (s.upstream_websocket_first_event_s, s.upstream_websocket_silence_s) == (60, 300)
     assert Settings.from_options({"stateful_upstream_websocket": " OFF "}).upstream_websocket == "off"
 
 
 @pytest.mark.parametrize("options", [{"stateful_upstream_websocket": "always"},
                                      {"stateful_upstream_websocket_max_sockets": "0"},
-                                     {"stateful_upstream_websocket_idle_s": "-5"}])
+                                     {"stateful_upstream_websocket_idle_s": "-5"},
+                                     {"stateful_upstream_websocket_first_event_s": "0"},
+                                     {"stateful_upstream_websocket_silence_s": "soon"}])
 def test_bad_websocket_values_name_the_option(options):
     with pytest.raises(SettingsError, match=next(iter(options))):
         Settings.from_options(options)

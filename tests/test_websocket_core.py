@@ -1,17 +1,27 @@
 """The WebSocket bridge's pure core: the messages it sends, the events it
 reads, the socket memory it matches turns against, the pool's bounds, and the
-relay's retries, with a socket that plays back scripted events."""
+relay's retries and bounds, with a socket that plays back scripted events;
+then its glue in-process: where a flow's socket goes, and that a flow is let go."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import weakref
+from urllib.parse import urlsplit
 
 import msgspec
 import pytest
+from driver import httpx
+from mitmproxy import http
+from mitmproxy.proxy.mode_specs import ProxyMode
+from mitmproxy.proxy.layers.http import HttpRequestHook, HttpResponseHeadersHook, HttpResponseHook
+from mitmproxy.test import tflow, tutils
 from stateful_responses.items import item_digest
 from stateful_responses.reading import Reader, Reading, Request
 from stateful_responses.sse import SSEParser
+from stateful_responses.websocket.addon import target_of
 from stateful_responses.websocket.connect import Refused
 from stateful_responses.websocket.loopback import Answer
 from stateful_responses.websocket.messages import (
@@ -287,9 +297,11 @@ class Writer:
 
 class Scripted:
     """A socket that answers each message with the next script: a list of
-    events (dicts), ending early with ``CLOSE`` to drop the connection."""
+    events (dicts), ending early with ``CLOSE`` to drop the connection or
+    ``STALL`` to send nothing more; a number is a pause of that many seconds."""
 
     CLOSE = object()
+    STALL = object()
 
     def __init__(self, *scripts: list) -> None:
         self.scripts = list(scripts)
@@ -306,6 +318,10 @@ class Scripted:
 
     async def recv(self) -> bytes:
         await asyncio.sleep(0)
+        while self.queue and isinstance(self.queue[0], float):
+            await asyncio.sleep(self.queue.pop(0))
+        if self.queue and self.queue[0] is Scripted.STALL:
+            await asyncio.Event().wait()  # pings would still be answered: only the turn is silent
         if not self.queue or self.queue[0] is Scripted.CLOSE:
             self.open = False
             raise ConnectionClosedError(None, None)
@@ -330,7 +346,8 @@ def refusal(status: int, code: str) -> list[dict]:
                                                          "message": "no", "param": None}}]
 
 
-async def run(*sockets: Scripted, streamed: bool = False, continued: bool = True, http=(200, [], b"{}")):
+async def run(*sockets: Scripted, streamed: bool = False, continued: bool = True, http=(200, [], b"{}"),
+              first_event_s: float = 5.0, silence_s: float = 5.0):
     """A turn through ``relay``: the first socket is held, later ones open as needed."""
     p, _ = pool()
     choice = p.choose("s", ROOT, digests(HISTORY), {})
@@ -351,7 +368,7 @@ async def run(*sockets: Scripted, streamed: bool = False, continued: bool = True
     history = HISTORY + OUTPUT + [{"role": "user", "content": "next"}]
     body, reading = read({"model": "m", "input": history, **({"stream": True} if streamed else {})})
     turn = Turn(streamed, ROOT, digests(history), socket_message(body, reading.fields), len(history), open_socket,
-                fall_back, settled.append)
+                fall_back, settled.append, first_event_s, silence_s)
     if continued:
         turn.continued, turn.items_sent = tip_of(), 1
         turn.delta_message = socket_message(body, reading.fields, reading.raw_items[3:], "resp_1")
@@ -387,14 +404,15 @@ async def test_a_socket_that_closes_before_the_first_event_is_replaced_and_the_t
     assert b"200 OK" in data
 
 
-@pytest.mark.parametrize("code", ["previous_response_not_found", "websocket_connection_limit_reached"])
+@pytest.mark.parametrize("code", ["previous_response_not_found", "websocket_connection_limit_reached",
+                                  "conversation_already_has_active_response"])
 async def test_a_state_error_sends_the_turn_whole_and_the_client_never_hears_of_it(code):
     first = Scripted(refusal(400, code), answered())
     second = Scripted(answered())
     outcome, data, _, http = await run(first, second)
-    retried = (first if code == "previous_response_not_found" else second).sent[-1]
+    retried = (first if code == "previous_response_not_found" else second).sent[-1]  # busy or spent: a fresh one
     assert "previous_response_id" not in retried and len(retried["input"]) == 4
-    assert first.closed_by_us is (code == "websocket_connection_limit_reached")
+    assert first.closed_by_us is (code != "previous_response_not_found")
     assert b"200 OK" in data and not http and outcome.retries
 
 
@@ -428,3 +446,93 @@ async def test_after_the_client_has_bytes_a_broken_socket_breaks_its_stream():
 async def test_a_refused_reopening_goes_over_http_and_says_so():
     outcome, _, held, http = await run(Scripted([Scripted.CLOSE]))
     assert http and outcome.refused_upgrade == 404 and held.retired
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "sse"])
+async def test_no_first_event_within_its_bound_drops_the_socket_and_goes_over_http(streamed):
+    silent, spare = Scripted([Scripted.STALL]), Scripted(answered())
+    outcome, data, held, http = await run(silent, spare, streamed=streamed, first_event_s=0.05)
+    assert http and outcome.transport == "http" and outcome.retries == ["no event within 0.05 s"]
+    assert not silent.open and held.retired and not spare.sent  # over HTTP at once, not on another socket
+    assert data.startswith(b"HTTP/1.1 200") and b"event:" not in data
+
+
+async def test_a_json_client_has_no_byte_before_the_end_so_a_silence_mid_answer_goes_over_http():
+    events = answered(previous="resp_1")
+    outcome, data, held, http = await run(Scripted(events[:2] + [Scripted.STALL]), silence_s=0.05)
+    assert http and outcome.retries == ["no event within 0.05 s"] and outcome.dropped is None and held.retired
+
+
+async def test_a_silence_after_the_client_has_bytes_breaks_its_stream():
+    events = answered(previous="resp_1")
+    outcome, data, held, http = await run(Scripted(events[:2] + [Scripted.STALL]), streamed=True, silence_s=0.05)
+    assert outcome.dropped == "the socket fell silent for 0.05 s" and not http and data.count(b"event: ") == 2
+    assert not data.endswith(b"0\r\n\r\n") and held.retired
+
+
+async def test_a_silence_within_the_bounds_is_waited_out():
+    events = answered(previous="resp_1")
+    socket = Scripted([0.1, *events[:2], 0.2, events[2]])
+    outcome, data, held, http = await run(socket, streamed=True, first_event_s=0.15, silence_s=0.25)
+    assert not http and outcome.dropped is None and not outcome.retries and data.endswith(b"0\r\n\r\n")
+    assert held.tip.response_id == "resp_2"
+
+
+# -- the glue, in-process with mitmproxy's test helpers ----------------------------------------------
+
+
+def bridgeable_flow(url: str, body: dict, mode: str = "regular", host_header: str | None = None) -> tflow.HTTPFlow:
+    parts = urlsplit(url)
+    headers = [(b"authorization", b"Bearer sk-glue"), (b"proxy-authorization", b"Basic dXNlcjpwYXNz"),
+               (b"user-agent", b"glue-test"), (b"content-type", b"application/json")]
+    req = tutils.treq(method=b"POST", scheme=parts.scheme.encode(), host=parts.hostname,
+                      port=parts.port or (443 if parts.scheme == "https" else 80),
+                      path=(parts.path + (f"?{parts.query}" if parts.query else "")).encode(),
+                      content=json.dumps(body).encode(), headers=headers)
+    if host_header is not None:
+        req.host_header = host_header
+    flow = tflow.tflow(req=req)
+    flow.client_conn.proxy_mode = ProxyMode.parse(mode)
+    return flow
+
+
+def test_in_transparent_mode_the_socket_goes_to_the_address_under_the_host_headers_name():
+    flow = bridgeable_flow("https://10.1.2.3:443/v1/responses?api-version=1", {}, "transparent",
+                           host_header="api.example.test")
+    target = target_of(flow.request)
+    assert (target.url, target.server_name, target.host, target.port) == (
+        "wss://api.example.test/v1/responses?api-version=1", "api.example.test", "10.1.2.3", 443)
+    assert dict(target.headers) == {"authorization": "Bearer sk-glue", "user-agent": "glue-test"}  # no proxy auth
+    ipv6 = target_of(bridgeable_flow("http://[fd00::5]:8080/v1/responses", {}, "transparent",
+                                     host_header="[fd00::5]:8080").request)
+    assert (ipv6.url, ipv6.host, ipv6.port) == ("ws://[fd00::5]:8080/v1/responses", "fd00::5", 8080)  # no name
+    named = bridgeable_flow("https://api.example.test/v1/responses", {}, "regular", host_header="elsewhere.test")
+    assert target_of(named.request).url == "wss://api.example.test/v1/responses"  # a name is never replaced
+
+
+async def test_a_bridged_flow_is_let_go_once_its_answer_is_done(emulator):
+    """The bridge's job refers to its flow: a flow mitmproxy is done with must not be kept for it."""
+    from test_addon import Glue
+
+    async with Glue(stateful_upstream_websocket="auto") as addon:
+        bridge, done, hooks_of = addon.bridge, [], addon.tctx.master.addons.invoke_addon
+        history: list = []
+        for n in range(3):
+            history.append({"role": "user", "content": f"glue turn {n}"})
+            flow = bridgeable_flow(emulator.url + "/v1/responses", {"model": "m", "store": False, "input": history})
+            await hooks_of(bridge, HttpRequestHook(flow))
+            assert flow.request.host == "127.0.0.1" and len(bridge._flows) == 1
+            async with httpx.AsyncClient(trust_env=False, timeout=30) as client:  # as mitmproxy fetches it
+                answer = await client.post(flow.request.url, content=b"")
+            flow.response = http.Response.make(answer.status_code, answer.content, dict(answer.headers))
+            await hooks_of(bridge, HttpResponseHeadersHook(flow))
+            assert flow.request.url == emulator.url + "/v1/responses"
+            await hooks_of(bridge, HttpResponseHook(flow))  # mitmproxy is done with the flow
+            history += answer.json()["output"]
+            done.append(weakref.ref(flow))
+        del flow
+        gc.collect()
+        assert len(bridge._flows) == 0 and [ref() for ref in done] == [None] * 3
+        log = emulator.model.snapshot_log()
+        assert [r["transport"] for r in log] == ["websocket"] * 3
+        assert [r["continued"] for r in log] == [False, True, True]

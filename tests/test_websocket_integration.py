@@ -32,7 +32,7 @@ from stateful_responses.view import render
 from stateful_responses.websocket.messages import sse_event
 
 AUTH = {"authorization": "Bearer sk-test-key"}
-SOCKET_FAULTS = ("ws_close", "ws_error")
+SOCKET_FAULTS = ("ws_close", "ws_error", "ws_stall")
 
 
 @pytest.fixture
@@ -193,6 +193,84 @@ def test_a_fault_before_the_first_event_is_retried_invisibly_with_full_history(e
     assert "after: the socket" in proxy.output()
 
 
+def test_a_socket_still_running_a_response_is_replaced_invisibly(emulator, bridge):
+    """The upstream keeps a turn running after its last event: the next turn's create is refused as busy."""
+    proxy = bridge()
+    conv = Conversation(proxy.url, options={"store": False})
+    converse(conv, 2)
+    emulator.model.control({"fail_next": [{"kind": "ws_stall", "after_events": 100, "ms": 5000}]})
+    conv = Conversation(proxy.url, options={"store": False}, history=conv.history, sent=conv.sent)
+    converse(conv, 2, "right after a turn that still runs ")
+    log = records(emulator)
+    refused = [r for r in log if r["status_code"] != 200]
+    assert [r["error"]["code"] for r in refused] == ["conversation_already_has_active_response"]
+    busy, retry = log[log.index(refused[0]) - 1], log[log.index(refused[0]) + 1]
+    assert busy["fault"] == "ws_stall" and refused[0]["socket"] == busy["socket"] != retry["socket"]
+    assert retry["transport"] == "websocket" and retry["previous_response_id"] is None  # whole, on a fresh socket
+    assert_context_preserved(conv.sent, [r for r in log if r["status_code"] == 200])  # the busy turn's answer too
+    assert log[-1]["continued"] and "after: the socket refused it (conversation_already_has_active_response)" \
+        in proxy.output()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_an_upstream_that_takes_a_turn_and_sends_nothing_is_given_up_and_the_turn_goes_over_http(
+        emulator, bridge, stream):
+    proxy = bridge("--set", "stateful_upstream_websocket_first_event_s=1")
+    conv = Conversation(proxy.url, stream=stream, options={"store": False})
+    converse(conv, 2)
+    emulator.model.control({"fail_next": [{"kind": "ws_stall", "when": "continued"}]})  # silent until dropped
+    conv = Conversation(proxy.url, stream=stream, options={"store": False}, history=conv.history, sent=conv.sent)
+    started = time.monotonic()
+    conv.turn("the upstream takes this and says nothing")
+    assert 1 <= time.monotonic() - started < 10
+    converse(conv, 2, "after the silence ")
+    log = records(emulator)
+    stalled = next(r for r in log if r["fault"] == "ws_stall")
+    over_http, fresh = log[log.index(stalled) + 1: log.index(stalled) + 3]
+    assert stalled["continued"] and over_http["transport"] == "http" and over_http["previous_response_id"] is None
+    assert fresh["transport"] == "websocket" and fresh["socket"] != stalled["socket"] and not fresh["continued"]
+    assert_context_preserved(conv.sent, reached_the_client(emulator))
+    assert log[-1]["continued"] and "after: no event within 1 s" in proxy.output()
+    assert len(emulator._server._sockets) == 1  # the silent socket was dropped
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_silence_mid_answer_is_invisible_to_a_json_client_and_breaks_a_streaming_clients_stream(
+        emulator, bridge, stream):
+    proxy = bridge("--set", "stateful_upstream_websocket_silence_s=1")
+    emulator.model.control({"slow_ms": 200})  # a pause between events within the bound is waited out
+    conv = Conversation(proxy.url, stream=stream, options={"store": False})
+    converse(conv, 1)
+    emulator.model.control({"slow_ms": 0, "fail_next": [{"kind": "ws_stall", "after_events": 3}]})
+    conv = Conversation(proxy.url, stream=stream, options={"store": False}, history=conv.history, sent=conv.sent)
+    if stream:
+        with pytest.raises((openai.APIError, httpx.HTTPError)):
+            conv.turn("this stream falls silent")
+        conv.history.pop()
+        conv.sent.pop()
+    else:
+        conv.turn("this answer falls silent before the client has a byte")
+    converse(conv, 2, "the client goes on ")  # as an SDK retries a dropped stream
+    log = records(emulator)
+    stalled = next(r for r in log if r["fault"] == "ws_stall")
+    after = log[log.index(stalled) + 1]
+    assert after["transport"] == ("websocket" if stream else "http") and after["previous_response_id"] is None
+    assert_context_preserved(conv.sent, reached_the_client(emulator))
+    assert ("the socket fell silent for 1 s mid-answer" if stream else "after: no event within 1 s") in proxy.output()
+
+
+def test_while_the_upgrade_rests_after_a_failure_turns_go_over_http_with_the_clients_store(emulator, bridge):
+    emulator.model.control({"websocket": "unavailable"})
+    proxy = bridge()
+    conv = Conversation(proxy.url, options={"store": False})
+    converse(conv, 3)
+    log = records(emulator)
+    assert_context_preserved(conv.sent, log)
+    assert all(r["transport"] == "http" and r["store"] is False and r["stored"] is False for r in log)  # never forced
+    output = proxy.output()
+    assert output.count("ws: opening a socket") == 1 and "refused the upgrade for now (503)" in output
+
+
 def test_a_socket_past_its_lifetime_is_replaced_invisibly(emulator, bridge):
     emulator.model.control({"ws_lifetime_s": 0.5})
     proxy = bridge()
@@ -345,9 +423,8 @@ def test_two_turns_on_one_branch_at_once_get_their_own_sockets(emulator, bridge)
 
 
 def test_turns_beyond_the_socket_cap_go_over_http_with_the_clients_store(emulator, bridge):
+    """Even before the upstream's first answer on a socket: no forced store while WebSocket mode may serve it."""
     proxy = bridge("--set", "stateful_upstream_websocket_max_sockets=1")
-    first = Conversation(proxy.url, as_dicts=True, options={"store": False})
-    converse(first, 2)  # a continuation over the socket: the upstream serves WebSocket mode
     emulator.model.control({"think_ms": 500})
     busy = threading.Thread(target=converse, args=(Conversation(proxy.url, options={"store": False}), 1, "busy "))
     busy.start()
@@ -471,6 +548,37 @@ def test_regular_mode_over_tls_honours_mitmproxys_upstream_tls_options(tmp_path,
     assert drop_nulls(log[-1]["context"]) == drop_nulls(expand_input(sent[-1]["input"]))
 
 
+def test_transparent_mode_sends_the_socket_to_the_address_under_the_host_headers_name(tmp_path, start_proxy):
+    """Transparent mode without root networking: mitmproxy's lookup of a redirected connection's original
+    destination (netfilter's SO_ORIGINAL_DST) is replaced by one naming the emulator; mitmproxy's transparent
+    layer and the bridge are real. The emulator's certificate names localhost and no address: a socket
+    verified against the address instead of the Host header's name would fail, and the turns go over HTTP."""
+    from stateful_responses.emulator import Emulator
+    from test_https_proxy_integration import self_signed
+
+    cert, key = self_signed(tmp_path, dns_name="localhost")
+    with Emulator(certfile=cert, keyfile=key) as emu:
+        original_destination = tmp_path / "original_destination.py"
+        original_destination.write_text("from mitmproxy import platform\n"
+                                        f"platform.original_addr = lambda sock: ('127.0.0.1', {emu.port})\n")
+        proxy = start_proxy(emu.url, "-s", str(original_destination), "--set", f"ssl_verify_upstream_trusted_ca={cert}",
+                            "--set", "stateful_debug=true", mode="transparent", upstream_websocket="auto")
+        ca = Path(proxy.confdir) / "mitmproxy-ca-cert.pem"
+        sent: list = []
+        client = openai.OpenAI(base_url=f"https://localhost:{proxy.port}/v1", api_key="sk-transparent", max_retries=0,
+                               http_client=httpx.Client(verify=str(ca), trust_env=False, timeout=30, event_hooks={
+                                   "request": [lambda r: sent.append(json.loads(r.read()))]}))
+        history: list = []
+        for n in range(3):
+            history.append({"role": "user", "content": f"transparent turn {n}"})
+            history += client.responses.create(model="gpt-test", input=history, store=False).output
+        client.close()
+        log = emu.model.snapshot_log()
+    assert [r["transport"] for r in log] == ["websocket"] * 3 and [r["continued"] for r in log] == [False, True, True]
+    assert drop_nulls(log[-1]["context"]) == drop_nulls(expand_input(sent[-1]["input"]))
+    assert "ws: continued from resp_" in proxy.output()
+
+
 def test_in_upstream_proxy_mode_the_bridge_stays_off(emulator, start_proxy):
     upstream_proxy = start_proxy(emulator.url, script=False, mode="regular")
     proxy = start_proxy(emulator.url, "--set", "stateful_debug=true", mode=f"upstream:{upstream_proxy.url}",
@@ -483,8 +591,10 @@ def test_in_upstream_proxy_mode_the_bridge_stays_off(emulator, start_proxy):
     history: list = []
     for n in range(3):
         history.append({"role": "user", "content": f"turn {n}"})
-        history += [o.model_dump() for o in client.responses.create(model="gpt-test", input=history).output]
+        history += [o.model_dump() for o in client.responses.create(model="gpt-test", input=history,
+                                                                    store=False).output]
     client.close()
     assert [r["transport"] for r in records(emulator)] == ["http"] * 3
+    assert [r["store"] for r in records(emulator)] == [True] * 3  # no socket here: forward mode forces as before
     assert_context_preserved(sent, records(emulator))
     assert "ws: " not in proxy.output()

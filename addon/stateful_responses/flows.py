@@ -13,6 +13,7 @@ import weakref
 from typing import Generic, TypeVar
 
 from mitmproxy import http
+from mitmproxy.proxy import mode_specs
 
 from .counters import Counters
 from .reading import Request
@@ -116,6 +117,12 @@ def _headers_read(fields: tuple[tuple[bytes, bytes], ...]) -> dict[str, str]:
             text = value.decode("utf-8", "surrogateescape")
             found[key] = f"{found[key]}, {text}" if key in found else text
     return found
+
+
+def bridge_runs_for(flow: http.HTTPFlow) -> bool:
+    """Whether the WebSocket bridge may serve a flow of its proxy mode: not in
+    ``--mode upstream:``, where its socket would have to go through that proxy."""
+    return not isinstance(flow.client_conn.proxy_mode, mode_specs.UpstreamMode)
 
 
 def request_of(flow: http.HTTPFlow, req: http.Request | None = None) -> Request:

@@ -161,6 +161,16 @@ OPTIONS: dict[str, tuple[Any, Any, Any, str]] = {
     "stateful_upstream_websocket_idle_s": (
         parse_positive_int, int, 300, "Seconds an upstream WebSocket may stay unused before it is closed.",
     ),
+    "stateful_upstream_websocket_first_event_s": (
+        parse_positive_int, int, 60,
+        "Seconds a turn on an upstream WebSocket waits for its first event; then the socket is dropped and the "
+        "turn goes over HTTP.",
+    ),
+    "stateful_upstream_websocket_silence_s": (
+        parse_positive_int, int, 300,
+        "Seconds a turn on an upstream WebSocket waits for each next event; then the socket is dropped: the turn "
+        "goes over HTTP if the client has no byte of it yet, else its stream breaks, as a dropped HTTP stream.",
+    ),
     "stateful_debug": (parse_bool, bool, False, "Log one line per decision."),
 }
 PARSERS = {name: spec[0] for name, spec in OPTIONS.items()}
@@ -186,6 +196,8 @@ class Settings:
     upstream_websocket: str = "auto"
     upstream_websocket_max_sockets: int = 32
     upstream_websocket_idle_s: int = 300
+    upstream_websocket_first_event_s: int = 60
+    upstream_websocket_silence_s: int = 300
     debug: bool = False
 
     @classmethod

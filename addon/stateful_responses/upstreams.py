@@ -11,8 +11,7 @@ echoed the id, or billed more input than it was sent), ``refuses_previous``
 (refused or ignored a ``previous_response_id``), ``has_conversations`` (it
 answered the Conversations API as the API does), ``lacks_conversations``
 (it answered a Conversations endpoint 404/405, refused the ``conversation``
-field or ignored it), ``accepts_websocket`` (its WebSocket mode continued a
-turn from the socket's memory) and ``refuses_websocket`` (refused the
+field or ignored it) and ``refuses_websocket`` (refused the WebSocket
 upgrade, or a socket that did not continue what it was asked to). Each
 expires; setting one queues the write that shares
 it with every process using the store.
@@ -31,7 +30,7 @@ from .tenancy import Tenancy
 MARKS = "marks"  # kind + scope -> when it expires
 
 MarkKind = Literal["reads_back", "unsupported", "no_forced_store", "honours_previous", "refuses_previous",
-                   "has_conversations", "lacks_conversations", "accepts_websocket", "refuses_websocket"]
+                   "has_conversations", "lacks_conversations", "refuses_websocket"]
 MARK_KINDS = frozenset(MarkKind.__args__)  # type: ignore[attr-defined]
 
 # Answers that say "not now", not "not this": the client's SDK retries them and
@@ -118,11 +117,6 @@ class Upstreams:
     def cannot_continue(self, scope: str) -> bool:
         """Whether this upstream + credential showed it cannot continue a chain."""
         return self.has("unsupported", scope) or self.has("refuses_previous", scope)
-
-    def serves_websocket(self, scope: str) -> bool:
-        """Whether this upstream + credential continues turns over its
-        WebSocket mode, and has not since refused it."""
-        return self.has("accepts_websocket", scope) and not self.has("refuses_websocket", scope)
 
     def unproven(self, scope: str) -> bool:
         """Neither proved to read stored responses back nor known not to store."""

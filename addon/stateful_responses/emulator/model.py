@@ -51,7 +51,7 @@ RESPONSES = "openai-responses"  # the log's ``protocol`` for this API
 # The faults the other APIs take; the rest are about Responses' own semantics.
 CONVERSATION_FAULTS = frozenset({"status", "reset", "html", "cut", "end"})
 # The faults only a WebSocket turn takes; an HTTP request leaves them queued.
-SOCKET_ONLY_FAULTS = frozenset({"ws_close", "ws_error"})
+SOCKET_ONLY_FAULTS = frozenset({"ws_close", "ws_error", "ws_stall"})
 SOCKET_FAULTS = frozenset({"reject", "status", "failed", "incomplete", "stream_error"}) | SOCKET_ONLY_FAULTS
 # The faults a GET of a stored response ("retrieve") or of its input items ("input_items") takes, when a
 # fault names that endpoint; every other fault is for a create ("create", the default).
@@ -87,7 +87,7 @@ class Faults:
     gzip: bool = False
     background_delay_ms: int = 200  # a background response's time from queued to finished
     read_rate_bytes_per_s: int = 0  # request bodies are read at this rate (0: as fast as they come)
-    websocket: str | None = None  # "refuse": WebSocket upgrades are refused, as by a server without the mode
+    websocket: str | None = None  # "refuse": upgrades get 404, as without the mode; "unavailable": 503
     ws_lifetime_s: float = 3600  # a socket's lifetime, after which response.create is refused
     next: list[dict] = field(default_factory=list)  # one-shot faults, FIFO
 

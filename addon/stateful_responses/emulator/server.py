@@ -223,13 +223,16 @@ class _Handler(BaseHTTPRequestHandler):
         """``GET /v1/responses`` asking for a WebSocket: WebSocket mode
         (websocket.py), unless refused with an HTTP status, as the API refuses
         an upgrade without a credential (401) and a server without the mode
-        answers a GET on the path (404 ``Invalid URL``: the ``websocket`` fault)."""
+        answers a GET on the path (404 ``Invalid URL``: the ``websocket``
+        fault ``refuse``; ``unavailable``: 503, a server that has it but not now)."""
         self.close_connection = True
         credential = self._credential()
         try:
             self._route("GET", "responses")
             if self.model.faults.websocket == "refuse":
                 raise errors.invalid_url("GET", self.path)
+            if self.model.faults.websocket == "unavailable":
+                raise errors.server_error(503)
             if not credential:
                 raise errors.missing_api_key()
         except APIError as e:

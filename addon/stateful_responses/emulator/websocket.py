@@ -35,6 +35,7 @@ from .model import ResponsesModel, SocketSession
 from .sse import error_events, sse_events, wants_obfuscation
 
 READ_SIZE = 65536
+STALL_MS = 3_600_000  # the ws_stall fault's silence when it names none: until the client gives up
 
 
 class ClientGone(ConnectionError):
@@ -104,7 +105,8 @@ class ResponsesSocket:
     def _turn(self, message: bytes) -> None:
         """One client message: the model's answer to it, sent as events paced
         by ``think_ms`` and ``slow_ms`` as over HTTP, or one ``error`` event,
-        sent at once (a refused message never reaches the model)."""
+        sent at once (a refused message never reaches the model). The
+        ``ws_stall`` fault is a silence of the turn's (pings still answered)."""
         body = _parsed(message)
         try:
             response, fault = self.model.create_on_socket(self.session, body, len(message),
@@ -126,10 +128,14 @@ class ResponsesSocket:
                 if kind == "ws_close" and n >= fault.get("after_events", 0):
                     self._drop(fault.get("code"))
                     return
+                if kind == "ws_stall" and n == fault.get("after_events", 0):
+                    self._pause(fault.get("ms", STALL_MS))
                 sent.append(self._send_json(event))
                 self.model.record_messages(response["id"], sent)
                 if n < len(events) - 1:  # after the terminal event the response is done: the next may start
                     self._pause(self.model.faults.slow_ms)
+            if kind == "ws_stall" and fault.get("after_events", 0) >= len(events):
+                self._pause(fault.get("ms", STALL_MS))  # its events are all sent, yet the turn still runs
         finally:
             self.session.running = None
 

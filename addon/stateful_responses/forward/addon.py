@@ -27,6 +27,7 @@ from ..flows import (
     HELD,
     RETRY_OF,
     PerFlow,
+    bridge_runs_for,
     end_still_to_come,
     hold,
     internal_error,
@@ -224,7 +225,7 @@ class ForwardMode:
         client_body = original.raw_content or b""
         # A conversation the proxy keeps is named in each answer as it streams by: none can be held to be checked.
         plan = self.planner.plan(request_of(flow, original), rewrite=retry_of is None,
-                                 checkable=CONVERSATION not in flow.metadata)
+                                 checkable=CONVERSATION not in flow.metadata, websocket_mode=bridge_runs_for(flow))
         if plan.upstream == "":
             return None  # not a Responses API request: no trace at all
         flow.metadata[DECISION] = _metadata(plan)

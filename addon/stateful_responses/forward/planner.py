@@ -157,11 +157,14 @@ class Planner:
         h.update(credential)
         return h.digest()
 
-    def plan(self, request: Request, *, rewrite: bool = True, checkable: bool = True) -> Plan:
+    def plan(self, request: Request, *, rewrite: bool = True, checkable: bool = True,
+             websocket_mode: bool = False) -> Plan:
         """Decide what to send. With ``rewrite=False`` (our own retry of a
         client's original body) nothing is changed, only tracked. With
         ``checkable=False`` (an answer that must stream as it comes) a
-        continuation that would have to be checked goes full instead."""
+        continuation that would have to be checked goes full instead.
+        ``websocket_mode``: whether the WebSocket bridge runs for the request's
+        proxy mode (the glue says; it does not in ``--mode upstream:``)."""
         reading = self.reader.read(request, count=rewrite)
         if isinstance(reading, Skip):
             return Plan("pass", reading.reason, reading.upstream, reading.model)
@@ -193,8 +196,10 @@ class Planner:
             and s.force_store
             and client_store is not True
             and not self.upstreams.has("no_forced_store", scope)
-            # the upstream's WebSocket mode serves deltas without storage: never force it to store
-            and not (s.upstream_websocket == "auto" and self.upstreams.serves_websocket(scope))
+            # the upstream's WebSocket mode may serve the deltas without storage: never force it to store
+            # unless it showed it has no WebSocket mode (while an upgrade is pending or resting, too)
+            and not (s.upstream_websocket == "auto" and websocket_mode
+                     and not self.upstreams.has("refuses_websocket", scope))
         )
         asked_store = client_store is True or force
         plan = Plan(

@@ -27,11 +27,20 @@ from dataclasses import dataclass
 
 from blake3 import blake3
 from mitmproxy import ctx, http
-from mitmproxy.proxy import mode_specs
 
 from ..bounded import Bounded
 from ..counters import Counters
-from ..flows import BRIDGED, CLIENT_BODY, DECISION, HELD, RETRY_OF, PerFlow, internal_error, request_of
+from ..flows import (
+    BRIDGED,
+    CLIENT_BODY,
+    DECISION,
+    HELD,
+    RETRY_OF,
+    PerFlow,
+    bridge_runs_for,
+    internal_error,
+    request_of,
+)
 from ..reading import Reader, Reading, upstream_of
 from ..replays import Replays, bad_gateway
 from ..settings import Config, Settings
@@ -65,6 +74,7 @@ class _Job:
     label: str
     client_bytes: int
     token: str
+    unclaimed: asyncio.TimerHandle | None = None  # gives the socket back if the loopback server never sees the flow
 
 
 def namespace(secret: bytes, upstream: str, model: str, credential: bytes) -> bytes:
@@ -163,6 +173,9 @@ class WebSocketBridge:
         if not flow.response.stream and not flow.metadata.get(HELD):
             flow.response.stream = True  # each event on to the client as it comes
 
+    def response(self, flow: http.HTTPFlow) -> None:
+        self._flows.pop(flow)  # the job refers to its flow: kept, it would keep the flow, its body and messages alive
+
     def error(self, flow: http.HTTPFlow) -> None:
         job = self._flows.pop(flow)
         if job is None:
@@ -177,8 +190,7 @@ class WebSocketBridge:
         req = flow.request
         return (s.enabled and s.upstream_websocket == "auto" and req.method == "POST" and flow.response is None
                 and req.raw_content is not None and upstream_of(req.url) is not None and s.url_matches(req.url)
-                and not ({RETRY_OF, DECISION, CLIENT_BODY} & flow.metadata.keys())
-                and not isinstance(flow.client_conn.proxy_mode, mode_specs.UpstreamMode))
+                and not ({RETRY_OF, DECISION, CLIENT_BODY} & flow.metadata.keys()) and bridge_runs_for(flow))
 
     async def _bridge(self, flow: http.HTTPFlow) -> None:
         reading = self.reader.read(request_of(flow), count=False)
@@ -205,7 +217,7 @@ class WebSocketBridge:
     async def _take(self, flow: http.HTTPFlow, reading: Reading, root: bytes, references: dict[bytes, str],
                     held: Held, tip: Tip | None, fresh: bool) -> None:
         """Open the socket if it is new, then make the turn and point the flow at the loopback server."""
-        scope, label = reading.scope, reading.label
+        scope, label, s = reading.scope, reading.label, self.settings
         target = target_of(flow.request)
         if fresh:
             self._debug("ws: opening a socket to %s", label)
@@ -229,7 +241,8 @@ class WebSocketBridge:
         turn = Turn(streamed=bytes(fields.get("stream", b"")) == b"true", root=root, digests=digests,
                     full_message=socket_message(body, fields), items_total=len(digests),
                     open_socket=lambda: open_socket(target, tls_options()),
-                    over_http=lambda: self._over_http(flow, client), settle=lambda outcome: self._settle(job, outcome))
+                    over_http=lambda: self._over_http(flow, client), settle=lambda outcome: self._settle(job, outcome),
+                    first_event_s=s.upstream_websocket_first_event_s, silence_s=s.upstream_websocket_silence_s)
         if tip is not None:
             assert reading.raw_items is not None  # a string input is one item: it extends nothing
             turn.continued, turn.items_sent = tip, len(digests) - tip.length
@@ -242,7 +255,7 @@ class WebSocketBridge:
         """Point the flow at the loopback server (the last step: nothing after it can fail)."""
         self._jobs[job.token] = job
         self._flows.put(flow, job)
-        asyncio.get_running_loop().call_later(UNCLAIMED_S, self._unclaimed, job)
+        job.unclaimed = asyncio.get_running_loop().call_later(UNCLAIMED_S, self._unclaimed, job)
         where = f"127.0.0.1:{self.loopback.port}"
         flow.request.data = http.Request.make("POST", f"http://{where}{PATH_PREFIX}{job.token}", b"",
                                               {"host": where, "content-length": "0"}).data
@@ -258,6 +271,8 @@ class WebSocketBridge:
     def _unclaimed(self, job: _Job) -> None:
         """A flow that never reached the loopback server (the client went
         away): its socket goes back, its memory unchanged."""
+        if job.unclaimed is not None:
+            job.unclaimed.cancel()  # called from the error hook: the timer would hold the job, and its flow
         if self._jobs.get(job.token) is job:
             del self._jobs[job.token]
             self._close([c for c in [self.pool.release(job.held, job.held.tip)] if c is not None])
@@ -269,6 +284,8 @@ class WebSocketBridge:
         if job is None:
             await answer.json(404, b'{"error":{"message":"No such turn.","type":"invalid_request_error"}}')
             return
+        if job.unclaimed is not None:
+            job.unclaimed.cancel()  # claimed: the timer would hold the job, and its flow, a minute more
         try:
             await relay(job.turn, job.held, self.pool, answer)
         except Exception:
@@ -298,7 +315,6 @@ class WebSocketBridge:
             if continued:
                 c.continued += 1
                 c.delta_items += outcome.items_sent
-                self.upstreams.mark("accepts_websocket", job.scope)
             else:
                 c.full_items += outcome.items_sent
             sent = turn.delta_message if continued and turn.delta_message is not None else turn.full_message
@@ -318,7 +334,7 @@ class WebSocketBridge:
         if outcome.retries:
             summary += f" (after: {'; '.join(outcome.retries)})"
         if outcome.dropped:
-            summary += "; the socket broke mid-answer: the client's stream was cut"
+            summary += f"; {outcome.dropped} mid-answer: the client's stream was cut"
         flow.comment, flow.marked = summary, MARKS[action] if not outcome.retries else ":warning:"
         flow.metadata[BRIDGED] = {"transport": outcome.transport, "action": action,
                                   "previous_response_id": outcome.previous_response_id,

@@ -30,6 +30,8 @@ STATE_ERRORS = frozenset({
     "websocket_connection_limit_reached",  # the socket's 60 minutes are up
     "conversation_already_has_active_response",  # a turn still runs on it
 })
+# Of those, the ones that say this socket cannot take a turn now: the retry takes a fresh one.
+UNUSABLE_SOCKET_ERRORS = frozenset({"websocket_connection_limit_reached", "conversation_already_has_active_response"})
 SSE_HEADERS = (("content-type", "text/event-stream; charset=utf-8"), ("cache-control", "no-cache"))
 JSON_HEADERS = (("content-type", "application/json"),)
 

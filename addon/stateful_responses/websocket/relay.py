@@ -11,10 +11,16 @@ is the client's; other error events become the HTTP status and body the API
 gives (a 429 stays a 429, so the SDK retries). Once a streaming client has
 bytes, a broken socket breaks the client's stream, as a dropped HTTP stream
 would.
+
+Bounded in time: an upstream that took the turn and sends nothing never holds
+the client and the socket for good. No first event within ``first_event_s``,
+or no next one within ``silence_s``, drops the socket; before a byte reached
+the client the turn goes over HTTP, after, the client's stream breaks.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -25,6 +31,7 @@ from websockets.exceptions import ConnectionClosed
 from .connect import Refused, Unreachable, UpstreamSocket
 from .loopback import Answer
 from .messages import (
+    UNUSABLE_SOCKET_ERRORS,
     Event,
     Tip,
     echoed_previous,
@@ -49,7 +56,7 @@ class Outcome:
     retries: list[str] = field(default_factory=list)  # why each further attempt was made
     refused_upgrade: int | None = None  # the status an upgrade was refused with
     unverified: bool = False  # a continuation came back without its previous_response_id
-    dropped: bool = False  # the socket broke after the client had bytes
+    dropped: str | None = None  # why the client's stream was cut after it had bytes (the socket broke or fell silent)
     status: int | None = None  # the HTTP status the client got
 
 
@@ -67,6 +74,8 @@ class Turn:
     open_socket: Callable[[], Awaitable[UpstreamSocket]]
     over_http: Callable[[], Awaitable[HttpAnswer]]
     settle: Callable[[Outcome], None]  # told how it went just before the answer's last bytes
+    first_event_s: float  # the longest wait for a turn's first event (the API sends response.created at once)
+    silence_s: float  # the longest wait for each next one (a reasoning model may think between events)
     continued: Tip | None = None
     delta_message: bytes | None = None
     items_sent: int = 0
@@ -74,10 +83,11 @@ class Turn:
 
 @dataclass(frozen=True)
 class _Exchange:
-    kind: Literal["answered", "refused", "fault", "unverified", "dropped"]
+    kind: Literal["answered", "refused", "fault", "unverified", "dropped", "silent"]
     event: Event | None = None
     response: msgspec.Raw | None = None
     done_items: dict[int, msgspec.Raw] = field(default_factory=dict)
+    waited: float = 0.0  # how long a silent socket was waited for
 
 
 async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
@@ -86,14 +96,14 @@ async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
     before the client has the answer's end: the client's next request finds it."""
     outcome = Outcome()
     continued = turn.continued
-    worn_out = False  # the socket's own limit was reached: the next attempt takes a fresh one
+    worn_out = False  # the socket cannot take the turn (its age, or a response still running): a fresh one does
     for attempt in (1, 2):
         if (not held.open or worn_out) and not await _reopen(turn, held, pool, outcome):
             break
         previous = continued.response_id if continued is not None else None
         message = turn.delta_message if continued is not None else turn.full_message
         assert message is not None
-        exchange = await _exchange(held.connection, message, previous, turn.streamed, answer)
+        exchange = await _exchange(held.connection, message, previous, turn, answer)
         if exchange.kind == "answered":
             outcome.previous_response_id = previous
             outcome.items_sent = turn.items_sent if continued is not None else turn.items_total
@@ -106,8 +116,13 @@ async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
                 assert exchange.response is not None
                 await answer.json(200, bytes(exchange.response))
             return outcome
-        if exchange.kind == "dropped":
-            outcome.dropped = True
+        if exchange.kind == "silent" and not answer.started:
+            outcome.retries.append(f"no event within {exchange.waited:g} s")
+            held.connection.abort()  # it may still be running the turn: nothing more is read from it
+            break
+        if exchange.kind in ("dropped", "silent"):
+            outcome.dropped = "the socket broke" if exchange.kind == "dropped" else \
+                f"the socket fell silent for {exchange.waited:g} s"
             held.connection.abort()
             _release(pool, held, None)
             turn.settle(outcome)
@@ -128,7 +143,7 @@ async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
         reason = f"the socket refused it ({event.error_code or event.status})"
         if attempt == 1 and retried_on_a_socket(event, continued is not None):
             outcome.retries.append(reason)
-            if event.error_code == "websocket_connection_limit_reached":
+            if event.error_code in UNUSABLE_SOCKET_ERRORS:
                 held.connection.close_soon()
                 worn_out = True
             continued = None
@@ -165,22 +180,29 @@ async def _reopen(turn: Turn, held: Held, pool: Pool, outcome: Outcome) -> bool:
     return True
 
 
-async def _exchange(socket: UpstreamSocket, message: bytes, previous: str | None, streamed: bool,
+async def _exchange(socket: UpstreamSocket, message: bytes, previous: str | None, turn: Turn,
                     answer: Answer) -> _Exchange:
     """Send one ``response.create`` and relay its events up to the terminal
     one (the stream's end, or a JSON client's body, is the caller's to write).
     A continuation's events are held back until one carrying the response
-    shows it echoes ``previous`` (the first, ``response.created``)."""
+    shows it echoes ``previous`` (the first, ``response.created``). The wait
+    for each event is bounded by ``turn``'s bounds: past one, ``silent``."""
     try:
         await socket.send(message)
     except (ConnectionClosed, OSError):
         return _Exchange("fault")
-    verified = previous is None
+    streamed, verified = turn.streamed, previous is None
     held_back: list[tuple[Any, bytes]] = []
     done_items: dict[int, msgspec.Raw] = {}
+    wait = turn.first_event_s
     try:
         while True:
-            text = await socket.recv()
+            try:
+                async with asyncio.timeout(wait):  # no task per event, as wait_for would make
+                    text = await socket.recv()
+            except TimeoutError:
+                return _Exchange("silent", waited=wait)
+            wait = turn.silence_s
             event = read_event(text)
             if event.type == "error" and not answer.started:
                 return _Exchange("refused", event)
