@@ -1171,7 +1171,7 @@ def websocket_first_event(quick: bool) -> list[str]:
               f"{t['bridge']:.1f} ms | **{t['bridge'] - t['socket']:+.1f} ms** | {t['bridge'] - t['streaming']:+.1f} ms |"
               for what, t in ((f"a conversation's later turns (median of {rounds})", warm),
                               ("its first turn (the socket opens)", cold))),
-            "", "Plain mitmdump buffers an SSE answer whole (FACTS.md): its first event comes with the last. "
+            "", "Plain mitmdump buffers an SSE answer whole (mitmproxy holds an unstreamed response until its end): its first event comes with the last. "
             "Streaming, mitmproxy's own HTTP hop is the floor of any addon; the bridge relays each event as it "
             "arrives, through it. The own socket's first turn includes its connect and upgrade, as the bridge's "
             "does."]
