@@ -9,6 +9,7 @@ import json
 
 import pytest
 from mitmproxy.test import tflow, tutils
+import stateful_responses.proofs as proofs_module
 from stateful_responses.counters import Counters
 from stateful_responses.proofs import PROOF_TIMEOUT, RETRY_AFTER, Proofs, read_the_chain, reads_back
 from stateful_responses.settings import Config
@@ -123,7 +124,8 @@ async def test_a_proof_that_could_not_finish_leaves_the_scope_unproven_and_is_tr
 
 async def test_requests_wait_for_a_slow_proof_until_proof_wait_after_it_started_and_no_longer(monkeypatch):
     wait = 1.0  # far apart from "no wait at all", however loaded the machine
-    monkeypatch.setattr("stateful_responses.proofs.PROOF_WAIT", wait)
+    # The module these Proofs come from (a test that reloads the package leaves another under its name).
+    monkeypatch.setattr(proofs_module, "PROOF_WAIT", wait)
     clock, slow = Clock(), asyncio.Event()
     proofs = proofs_over(Answers(slow, (200, RESPONSE)), clock)
     loop = asyncio.get_running_loop()
