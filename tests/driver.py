@@ -229,7 +229,7 @@ def weather_agent(agents: Any, proxy_url: str, http: Any) -> tuple[Any, openai.A
 async def tenant_of(storage: Any, key: str) -> Any:
     """The tenant a client sending ``Authorization: Bearer key`` is in, in an
     open store, derived as the proxy derives it."""
-    from stateful_responses.reading import Request
+    from stateful_responses.request_reader import Request
     from stateful_responses.store_emulation.turns import Tenant
     from stateful_responses.tenancy import credential_material
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from stateful_responses.items import canonical_json
 from stateful_responses.record.protocols import AnswerLifter, LiftedAnswer, LiftedRequest, lift_request
-from stateful_responses.sse import SSEParser
+from stateful_responses.answer_reader import SSEParser
 
 
 class Stub:

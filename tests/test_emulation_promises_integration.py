@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import redis
 from driver import httpx
-from stateful_responses.reading import Request
+from stateful_responses.request_reader import Request
 from stateful_responses.settings import Config
 from stateful_responses.state.storage import open_storage
 from stateful_responses.state.storage.redis import RedisStorage

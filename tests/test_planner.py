@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from stateful_responses.items import item_digest
 from stateful_responses.forward.planner import Planner
-from stateful_responses.reading import Request
+from stateful_responses.request_reader import Request
 from stateful_responses.settings import Config, Settings
 
 URL = "https://api.example.test/v1/responses"

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from protocols_support import lift, lift_answer, sse_bytes
 from stateful_responses.emulator import sse_events
 from stateful_responses.items import normalize_item
-from stateful_responses.reading import Reader, Reading, Request
+from stateful_responses.request_reader import Reader, Reading, Request
 from stateful_responses.record.protocols import AnswerLifter, detect, lift_request, responses
 
 URL = "https://api.openai.com/v1/responses"

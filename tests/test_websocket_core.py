@@ -19,8 +19,8 @@ from mitmproxy.proxy.mode_specs import ProxyMode
 from mitmproxy.proxy.layers.http import HttpRequestHook, HttpResponseHeadersHook, HttpResponseHook
 from mitmproxy.test import tflow, tutils
 from stateful_responses.items import item_digest
-from stateful_responses.reading import Reader, Reading, Request
-from stateful_responses.sse import SSEParser
+from stateful_responses.request_reader import Reader, Reading, Request
+from stateful_responses.answer_reader import SSEParser
 from stateful_responses.websocket.addon import target_of
 from stateful_responses.websocket.connect import Refused
 from stateful_responses.websocket.loopback import Answer

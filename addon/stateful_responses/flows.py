@@ -16,7 +16,7 @@ from mitmproxy import http
 from mitmproxy.proxy import mode_specs
 
 from .counters import Counters
-from .reading import Request
+from .request_reader import Request
 from .tenancy import is_credential_header
 
 logger = logging.getLogger("stateful_responses")

@@ -11,7 +11,7 @@ from .forward.planner import Planner
 from .heap import FrozenStartupHeap
 from .options import Options
 from .proofs import Proofs
-from .reading import Reader
+from .request_reader import Reader
 from .record.addon import ContinuationRecord
 from .record.index import ChainIndex
 from .replays import Replays

@@ -21,7 +21,7 @@ from blake3 import blake3
 from .bounded import Bounded
 
 if TYPE_CHECKING:
-    from .reading import Request
+    from .request_reader import Request
 
 # Headers that identify whose stored responses a request can reach. Upstreams
 # scope stored responses by credential (and organization / project); a proxy

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from .conversation import Call, Conversation, Turn, fragments, joined_text, positive_int, random_id, words
+from .stateless_apis import Call, Conversation, Turn, fragments, joined_text, positive_int, random_id, words
 from .errors import APIError
 
 STOP_REASONS = {"tool_call": "tool_use", "max_tokens": "max_tokens", "stop": "end_turn"}

@@ -14,7 +14,7 @@ import json
 import time
 
 from . import errors
-from .conversation import Call, Conversation, Turn, fragments, joined_text, positive_int, random_id, words
+from .stateless_apis import Call, Conversation, Turn, fragments, joined_text, positive_int, random_id, words
 from .errors import APIError
 from .sse import obfuscation_padding
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .conversation import Call, Conversation, Turn, positive_int, random_id, words
+from .stateless_apis import Call, Conversation, Turn, positive_int, random_id, words
 from .errors import APIError
 
 FINISH_REASONS = {"tool_call": "STOP", "max_tokens": "MAX_TOKENS", "stop": "STOP"}

@@ -15,7 +15,7 @@ storage; any other parent is read from the store, as over HTTP.
 
 The same model answers the stateless conversation APIs (Chat Completions,
 Anthropic Messages, Gemini) through ``converse``, with one log and one fault
-queue for all; their modules give each API's shapes (conversation.py).
+queue for all; their modules give each API's shapes (stateless_apis.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import errors
-from .conversation import CALL_PATTERN, Call, Conversation, ConversationAPI, canonical, context_digest, decide
+from .stateless_apis import CALL_PATTERN, Call, Conversation, ConversationAPI, canonical, context_digest, decide
 from .errors import APIError
 from .openai_conversations import ConversationsCall, OpenAIConversations, StoredConversation
 from .shapes import (

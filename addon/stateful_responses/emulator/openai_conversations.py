@@ -3,9 +3,6 @@ to the credential that created it. ``POST /responses`` with ``conversation``
 starts its context with those items and appends the response's input and output
 items when it completes (model.py does that part, under its lock).
 
-Not to be confused with conversation.py, which is what the stateless chat APIs
-(Chat Completions, Anthropic Messages, Gemini) share.
-
 Shapes and refusals are OpenAI's as captured from the live API (docs/emulator.md
 names the sources and the guesses). Nothing here knows HTTP or takes a lock: the
 model calls in under its own.

@@ -43,7 +43,7 @@ from urllib.parse import parse_qsl, urlsplit
 from . import errors
 from .anthropic import Messages
 from .chat import ChatCompletions
-from .conversation import Call, ConversationAPI
+from .stateless_apis import Call, ConversationAPI
 from .errors import APIError
 from .gemini import GenerateContent
 from .model import ResponsesModel

@@ -35,9 +35,9 @@ from ..flows import (
     request_of,
 )
 from ..proofs import Proofs
-from ..reading import upstream_of
+from ..request_reader import upstream_of
 from ..replays import Replays
-from ..sse import AnswerReader
+from ..answer_reader import AnswerReader
 from ..state.access import StateAccess
 from ..tenancy import credential_material
 from ..upstreams import TRANSIENT_STATUSES

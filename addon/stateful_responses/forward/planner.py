@@ -21,7 +21,7 @@ from blake3 import blake3
 from ..bounded import Bounded
 from ..counters import Counters
 from ..items import Ambiguous, ItemSequence, item_digest
-from ..reading import Reader, Reading, Request, Skip, splice
+from ..request_reader import Reader, Reading, Request, Skip, splice
 from ..settings import Config, Settings
 from ..state.outbox import Outbox, Write
 from ..tenancy import Tenancy

@@ -40,9 +40,9 @@ from ..flows import (
     request_of,
 )
 from ..items import Ambiguous
-from ..reading import Reader, Reading, upstream_of
+from ..request_reader import Reader, Reading, upstream_of
 from ..settings import Config
-from ..sse import TERMINAL_EVENTS, LiftReader
+from ..answer_reader import TERMINAL_EVENTS, LiftReader
 from ..state.access import StateAccess
 from ..tenancy import Tenancy, credential_material
 from .index import CHAIN_TIPS, ChainIndex, Turn, audit_entry, chain_tag

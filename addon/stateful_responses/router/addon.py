@@ -27,7 +27,7 @@ from mitmproxy import ctx, http
 
 from ..counters import Counters
 from ..flows import CONTINUATION, RETRY_OF, ROUTED, hold, internal_error
-from ..reading import splice
+from ..request_reader import splice
 from ..replays import Replays
 from ..record.index import ChainIndex
 from ..settings import Config

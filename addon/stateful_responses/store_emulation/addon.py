@@ -59,10 +59,10 @@ from ..flows import (
 )
 from ..items import normalize_item, strict_loads
 from ..proofs import Proofs
-from ..reading import Reader, Reading, Skip, splice
+from ..request_reader import Reader, Reading, Skip, splice
 from ..replays import Replays
 from ..settings import Config
-from ..sse import AnswerReader
+from ..answer_reader import AnswerReader
 from ..state.access import StateAccess
 from ..state.storage import StorageError
 from ..tenancy import Tenancy, credential_material

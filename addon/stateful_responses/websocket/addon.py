@@ -41,7 +41,7 @@ from ..flows import (
     internal_error,
     request_of,
 )
-from ..reading import Reader, Reading, upstream_of
+from ..request_reader import Reader, Reading, upstream_of
 from ..replays import Replays, bad_gateway
 from ..settings import Config, Settings
 from ..state.access import StateAccess

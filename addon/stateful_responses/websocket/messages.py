@@ -19,8 +19,8 @@ from typing import Any
 import msgspec
 
 from ..items import ItemSequence, item_digest, strict_loads
-from ..reading import splice
-from ..sse import TERMINAL_EVENTS
+from ..request_reader import splice
+from ..answer_reader import TERMINAL_EVENTS
 from ..upstreams import TRANSIENT_STATUSES
 
 # Refusals about the socket's state, not the request: the turn goes again with

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from ...items import as_item_list, normalize_item
-from ...sse import RESPONSE_EVENTS, TERMINAL_EVENTS
+from ...answer_reader import RESPONSE_EVENTS, TERMINAL_EVENTS
 from .common import Audit, Kind, LiftedAnswer, LiftedRequest, Status, ToolResult, parse_json, tool_result
 
 PROTOCOL = "openai-responses"

@@ -12,7 +12,7 @@ import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
 from stateful_responses.emulator import sse_events
-from stateful_responses.sse import AnswerReader, SSEParser
+from stateful_responses.answer_reader import AnswerReader, SSEParser
 
 RESPONSE = {"id": "resp_1", "status": "completed", "store": True, "output": [
     {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",

@@ -1,4 +1,4 @@
-"""What the conversation APIs served besides Responses share (chat.py,
+"""What the stateless conversation APIs served besides Responses share (chat.py,
 anthropic.py, gemini.py): a request read as a conversation, the deterministic
 model's turn over it, and the interface each protocol module implements.
 
