@@ -10,9 +10,10 @@ shared by any number of proxies.
 A key's first ``SHARD_TAG_SIZE`` bytes are its shard tag: a backend that
 spreads records over servers (a Redis Cluster) keeps the records of one tag
 together, in every table, and writes them at once. Keys that are digests
-spread record by record; ``shard_key`` leads a key with the tag of whatever
-its records must change with (a tenant, a conversation). Memory and SQLite
-keep everything together anyway and ignore tags.
+spread record by record; a key whose records must change with others (a
+tenant's) starts with the tag of what they share (``shard_tag``), in place
+of its digest's first bytes. Memory and SQLite keep everything together
+anyway and ignore tags.
 
 A table may also hold append-only logs, for records that several processes
 add to at once: a log named ``key`` is its length record at ``key`` (8 bytes,
@@ -121,14 +122,21 @@ def log_length(record: bytes | None) -> int:
     return int.from_bytes(record, "big") if record else 0
 
 
-SHARD_TAG_SIZE = 8  # bytes that lead a key and say which records belong together (the whole key, if shorter)
+# Bytes that lead a key and say which records belong together (the whole key, if shorter): two, 65,536 tags
+# (1,024 for each shard of a cluster), so that a digest that starts with a tag loses only 16 of its bits.
+SHARD_TAG_SIZE = 2
+
+
+def shard_tag(tag: bytes) -> bytes:
+    """The shard tag made from ``tag``: records whose keys start with it stay
+    together (one slot of a Redis Cluster), so that one write of them is
+    atomic wherever they live."""
+    return hashlib.blake2b(tag, digest_size=SHARD_TAG_SIZE).digest()
 
 
 def shard_key(tag: bytes, key: bytes) -> bytes:
-    """``key`` led by a shard tag made from ``tag``: records whose keys come
-    from one tag stay together (one slot of a Redis Cluster), so that one
-    write of them is atomic wherever they live."""
-    return hashlib.blake2b(tag, digest_size=SHARD_TAG_SIZE).digest() + key
+    """``key`` led by the shard tag made from ``tag``."""
+    return shard_tag(tag) + key
 
 
 DEFAULT_SQLITE_FILE = "stateful-responses.sqlite3"
