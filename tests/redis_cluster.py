@@ -44,7 +44,7 @@ def free_cluster_port(taken: set[int]) -> int:
 
 
 class LocalCluster:
-    def __init__(self, directory: Path, masters: int = 3):
+    def __init__(self, directory: Path, masters: int = 3, *, node_timeout_ms: int = NODE_TIMEOUT_MS):
         taken: set[int] = set()
         self.masters: list[RedisServer] = []
         for i in range(masters):
@@ -52,7 +52,7 @@ class LocalCluster:
             taken |= {port, port + 10000}
             self.masters.append(RedisServer(directory / f"master-{i}", port=port, options=[
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
+                "--cluster-node-timeout", str(node_timeout_ms),
                 "--appendonly", "yes",  # fsync'd every second, and at a clean shutdown
             ]))
 
@@ -160,10 +160,10 @@ class LocalCluster:
         self._each(lambda client: client.flushall())
 
 
-def start_redis_cluster(directory: Path) -> LocalCluster:
+def start_redis_cluster(directory: Path, **options) -> LocalCluster:
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         pytest.skip(MISSING)
-    cluster = LocalCluster(directory)
+    cluster = LocalCluster(directory, **options)
     try:
         cluster.start()
     except BaseException:

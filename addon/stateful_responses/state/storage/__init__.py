@@ -37,7 +37,13 @@ from urllib.parse import urlsplit
 
 class StorageError(Exception):
     """The backing store failed or is unreachable. Callers carry on from memory;
-    the message never holds a key, a value or a credential."""
+    the message never holds a key, a value or a credential. ``unwritten``:
+    of a failed ``write``, the part that may not be in the store (None: all of
+    it); the rest is."""
+
+    def __init__(self, message: str = "", unwritten: Batch | None = None) -> None:
+        super().__init__(message)
+        self.unwritten = unwritten
 
 
 class Storage(Protocol):
@@ -71,7 +77,9 @@ class Storage(Protocol):
         """Apply ``batch`` in one call: its deletes, its drops, its puts, its
         appends, then its touches, in one transaction (SQLite, a Redis
         server), or in a Redis Cluster one per shard, which holds whole shard
-        tags (and so whole logs). ``put`` and ``delete`` are one-table batches."""
+        tags (and so whole logs). ``put`` and ``delete`` are one-table batches.
+        A failure says which part may be unwritten (``StorageError.unwritten``):
+        sending that part again is safe (see ``Batch.once``)."""
 
     async def scan(self, table: str) -> dict[bytes, bytes]:
         """Every unexpired record of a small table (marks), in one call."""
@@ -96,15 +104,24 @@ class Batch:
     of the log ``log``, in order, each entry expiring ``ttl`` from now (and the
     length record no sooner); a log that is not there (never started, expired,
     dropped) takes nothing unless ``start`` says to start it. Each drop
-    (table, logs) removes those logs whole, whatever was appended last."""
+    (table, logs) removes those logs whole, whatever was appended last.
+
+    Puts, deletes, drops and touches may be applied twice; appends may not,
+    so a batch with appends carries ``once``, a random token: a backend that
+    may have applied part of it without knowing (a Redis call timed out, a
+    cluster master failed mid-batch) remembers the token with each part that
+    holds appends, for ``ONCE_TTL``, and skips that part when the batch comes
+    again within that time."""
 
     puts: Sequence[tuple[str, Mapping[bytes, bytes], float]] = ()
     deletes: Sequence[tuple[str, Sequence[bytes]]] = ()
     touches: Sequence[tuple[str, Sequence[bytes], float]] = ()
     appends: Sequence[tuple[str, bytes, Sequence[bytes], float, bool]] = ()
     drops: Sequence[tuple[str, Sequence[bytes]]] = ()
+    once: bytes = b""
 
 
+ONCE_TTL = 3600.0  # seconds a backend remembers a batch's ``once``: a batch is sent again sooner, or never
 LOG_INDEX_SIZE = 8
 
 
