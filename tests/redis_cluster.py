@@ -126,6 +126,14 @@ class LocalCluster:
                         return next(i for i, m in enumerate(self.masters) if address.endswith(f":{m.port}"))
         raise LookupError(f"no master serves slot {slot}")
 
+    def slots_of(self, master: int) -> list[int]:
+        """The slots ``master`` serves, as the first master sees it, lowest first."""
+        port = f":{self.masters[master].port}"
+        with self.client(0) as client:
+            nodes = client.cluster("NODES")
+        ranges = next(node["slots"] for address, node in nodes.items() if address.endswith(port))
+        return [slot for first, *last in ranges for slot in range(int(first), int(last[0] if last else first) + 1)]
+
     def move_slots(self, slots: Iterable[int], target: int, *, batch: int = 10, pause: float = 0.0) -> None:
         """Migrate each slot to master ``target`` the way redis-cli's reshard
         does (IMPORTING, MIGRATING, MIGRATE ``batch`` keys at a time, then
