@@ -44,7 +44,7 @@ def free_cluster_port(taken: set[int]) -> int:
 
 
 class LocalCluster:
-    def __init__(self, directory: Path, masters: int = 3):
+    def __init__(self, directory: Path, masters: int = 3, *, node_timeout_ms: int = NODE_TIMEOUT_MS):
         taken: set[int] = set()
         self.masters: list[RedisServer] = []
         for i in range(masters):
@@ -52,7 +52,7 @@ class LocalCluster:
             taken |= {port, port + 10000}
             self.masters.append(RedisServer(directory / f"master-{i}", port=port, options=[
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
+                "--cluster-node-timeout", str(node_timeout_ms),
                 "--appendonly", "yes",  # fsync'd every second, and at a clean shutdown
             ]))
 
@@ -126,6 +126,14 @@ class LocalCluster:
                         return next(i for i, m in enumerate(self.masters) if address.endswith(f":{m.port}"))
         raise LookupError(f"no master serves slot {slot}")
 
+    def slots_of(self, master: int) -> list[int]:
+        """The slots ``master`` serves, as the first master sees it, lowest first."""
+        port = f":{self.masters[master].port}"
+        with self.client(0) as client:
+            nodes = client.cluster("NODES")
+        ranges = next(node["slots"] for address, node in nodes.items() if address.endswith(port))
+        return [slot for first, *last in ranges for slot in range(int(first), int(last[0] if last else first) + 1)]
+
     def move_slots(self, slots: Iterable[int], target: int, *, batch: int = 10, pause: float = 0.0) -> None:
         """Migrate each slot to master ``target`` the way redis-cli's reshard
         does (IMPORTING, MIGRATING, MIGRATE ``batch`` keys at a time, then
@@ -160,10 +168,10 @@ class LocalCluster:
         self._each(lambda client: client.flushall())
 
 
-def start_redis_cluster(directory: Path) -> LocalCluster:
+def start_redis_cluster(directory: Path, **options) -> LocalCluster:
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         pytest.skip(MISSING)
-    cluster = LocalCluster(directory)
+    cluster = LocalCluster(directory, **options)
     try:
         cluster.start()
     except BaseException:

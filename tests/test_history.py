@@ -11,7 +11,8 @@ import pytest
 from stateful_responses.store_emulation.walk import ChainError
 from stateful_responses.settings import Config, Settings
 from stateful_responses.store_emulation.history import History, exact_digest, listed_items, response_json
-from stateful_responses.store_emulation.turns import ITEM_IDS, ITEMS, TURNS, Tenant, header_of
+from stateful_responses.state.storage import SHARD_TAG_SIZE
+from stateful_responses.store_emulation.turns import DEPENDENTS, ITEM_IDS, ITEMS, TURNS, Tenant, header_of
 
 SECRET = os.urandom(32)
 ALICE = Tenant.of(SECRET, b"Bearer sk-alice")
@@ -26,15 +27,18 @@ class Records:
 
     def apply(self, recorder: History) -> None:
         for w in recorder.take_writes():
-            table = self.tables[w.table]
-            if w.touch:
-                continue  # nothing here expires
-            if w.value is None:
-                table.pop(w.key, None)
-            elif w.merge is not None and w.key in table:
-                table[w.key] = w.merge(table[w.key], w.value) or w.value
-            else:
-                table[w.key] = w.value
+            self.put(w)
+
+    def put(self, w) -> None:
+        table = self.tables[w.table]
+        if w.touch:
+            return  # nothing here expires
+        if w.value is None:
+            table.pop(w.key, None)
+        elif w.merge is not None and w.key in table:
+            table[w.key] = w.merge(table[w.key], w.value) or w.value
+        else:
+            table[w.key] = w.value
 
     async def get(self, table: str, keys) -> dict[bytes, bytes]:
         return {k: self.tables[table][k] for k in keys if k in self.tables[table]}
@@ -99,6 +103,47 @@ async def test_another_tenant_reads_nothing():
         with pytest.raises(ChainError) as caught:
             await reader.context(BOB, "resp_2", records.get)
         assert caught.value.code == "previous_response_not_found"
+
+
+async def test_every_record_of_a_tenant_is_in_its_shard_and_other_tenants_are_elsewhere():
+    """What one turn writes (its record, items, item ids, the mark on the turn
+    it continues) shares the tenant's shard tag: a Redis Cluster writes it in
+    one script."""
+    recorder, records = History(), Records()
+    await chain_of(recorder, records, ALICE, 3)
+    await chain_of(recorder, records, BOB, 3)
+    tags = {table: {key[:SHARD_TAG_SIZE] for key in keys} for table, keys in records.tables.items()}
+    assert set(tags) == {TURNS, ITEMS, ITEM_IDS, DEPENDENTS}
+    assert all(found == {ALICE.shard, BOB.shard} for found in tags.values()) and ALICE.shard != BOB.shard
+
+
+async def test_a_store_written_before_shard_tags_keeps_every_id_it_handed_out(monkeypatch):
+    """Keys an earlier version made (the whole digest, no tag) are read after
+    the tagged ones: its turns expand, their items are referenced, and a new
+    turn continues them in the tenant's shard."""
+    recorder, records = History(), Records()
+    with monkeypatch.context() as earlier_version:
+        earlier_version.setattr(Tenant, "turn_key", lambda self, rid: self._key(b"turn", rid.encode()))
+        earlier_version.setattr(Tenant, "item_key", lambda self, digest, owner=None: self._key(b"item", digest))
+        earlier_version.setattr(Tenant, "item_id_key", lambda self, item_id: self._key(b"item-id", item_id.encode()))
+        expected = await chain_of(recorder, records, ALICE, 3)
+    untagged = {key for keys in records.tables.values() for key in keys}
+    assert untagged and not untagged & {ALICE.turn_key(f"resp_{n}") for n in range(3)}
+    cold = History()
+    assert [json.loads(i) for i in await cold.context(ALICE, "resp_2", records.get)] == \
+        [json.loads(i) for i in expected]
+    assert json.loads((await cold.referenced(ALICE, ["msg_1"], records.get))["msg_1"]) == answer(1)["output"][0]
+    cold.record(ALICE, response=answer(3), previous_response_id="resp_2", raw_input=[user("turn 3")],
+                stored_upstream=False)
+    new = writes_of(cold)
+    assert all(w.key[:SHARD_TAG_SIZE] == ALICE.shard for w in new if w.value and w.table in (TURNS, ITEMS, ITEM_IDS))
+    marked = [w.key for w in new if w.table == DEPENDENTS]  # and renewed: where the turn relied on is
+    assert marked == [key for key in ALICE.turn_keys("resp_2") if key in untagged]
+    assert {w.key for w in new if w.touch} <= untagged
+    for w in new:
+        records.put(w)
+    assert [json.loads(i) for i in await History().context(ALICE, "resp_3", records.get)] == \
+        [json.loads(i) for i in expected + [user("turn 3"), raw(answer(3)["output"][0])]]
 
 
 async def test_a_sealed_turn_moved_under_another_id_fails_closed():

@@ -11,7 +11,8 @@ import pytest
 from blake3 import blake3
 from protocols_support import lift, lift_answer, sse_bytes
 from stateful_responses.items import canonical_json
-from stateful_responses.record.index import ChainIndex, Turn
+from stateful_responses.record.index import CHAIN_RESPONSES, CHAIN_TIPS, CHAIN_TURNS, ChainIndex, Turn
+from stateful_responses.state.storage import SHARD_TAG_SIZE
 
 URLS = {
     "openai-responses": "http://127.0.0.1/v1/responses",
@@ -274,3 +275,27 @@ def test_responses_in_a_conversation_are_its_chain_on_every_proxy_and_at_once_ne
     assert elsewhere.previous.turn_id == right.turn_id  # the conversation's newest turn
     other = begin(index, "openai-responses", {"input": [user("hi")], "conversation": "conv_2"})
     assert other.chain_id != first.chain_id and other.previous is None
+
+
+def test_a_turns_records_and_its_chains_tip_share_their_credentials_shard_and_another_replica_reads_them():
+    index = ChainIndex()
+    opening = {"model": "m", "input": [user("hi")]}
+    first = answered(index, begin(index, "openai-responses", opening), "openai-responses",
+                     responses_answer(said("hello")))
+    stranger = index.begin(lift("openai-responses", URLS["openai-responses"], json.dumps(opening).encode()),
+                           b"another credential", SECRET, flow_id="flow", upstream="http://upstream")
+    index.claim(stranger)
+    store: dict[str, dict[bytes, bytes]] = {}
+    for write in index.take_writes():
+        store.setdefault(write.table, {})[write.key] = write.value
+    assert {table: {key[:SHARD_TAG_SIZE] for key in keys} for table, keys in store.items()} == \
+        {CHAIN_TURNS: {first.shard}, CHAIN_RESPONSES: {first.shard}, CHAIN_TIPS: {first.shard, stranger.shard}}
+    assert first.shard != stranger.shard
+
+    replica = ChainIndex()  # another proxy: everything from the store
+    follow_up = {"model": "m", "input": [user("hi"), said("hello"), user("more")]}
+    turn = replica.begin(lift("openai-responses", URLS["openai-responses"], json.dumps(follow_up).encode()),
+                         b"credential", SECRET, flow_id="flow 2", upstream="http://upstream")
+    replica.resolve(turn, {k: v for k, v in store[replica.table_of(turn)].items() if k in turn.unresolved})
+    replica.learn_tips(turn, {k: v for k, v in store[CHAIN_TIPS].items() if k in replica.unknown_tips(turn)})
+    assert (turn.previous.turn_id, turn.chain_id, turn.fork) == (first.turn_id, first.chain_id, False)

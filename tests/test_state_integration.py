@@ -10,10 +10,20 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from driver import Conversation, assert_context_preserved, httpx, user_turns
+from driver import (
+    ChainedConversation,
+    Conversation,
+    assert_chain_context_preserved,
+    assert_context_preserved,
+    drop_nulls,
+    httpx,
+    user_turns,
+)
+from redis.crc import key_slot
 
 AUTH = {"authorization": "Bearer sk-test-key"}
 STORE_FILE = "stateful-responses.sqlite3"
@@ -31,9 +41,9 @@ class Alternating:
     """One conversation whose every request goes to the next proxy in turn
     (a load balancer spreading one agent over replicas)."""
 
-    def __init__(self, proxies, stream: bool = False) -> None:
+    def __init__(self, proxies, stream: bool = False, conversation=Conversation, **options) -> None:
         self.proxies = proxies
-        self.conv = Conversation(proxies[0].url, stream=stream, as_dicts=True)
+        self.conv = conversation(proxies[0].url, stream=stream, as_dicts=True, **options)
         self.clients = [self.conv.client] + [self.conv.client.with_options(base_url=p.url + "/v1")
                                              for p in proxies[1:]]
         self.requests = 0
@@ -41,7 +51,7 @@ class Alternating:
     def _create(self):
         self.conv.client = self.clients[self.requests % len(self.clients)]
         self.requests += 1
-        return Conversation._create(self.conv)
+        return type(self.conv)._create(self.conv)
 
     def turns(self, texts) -> None:
         self.conv._create = self._create
@@ -129,6 +139,162 @@ def test_replicas_sharing_a_store_continue_every_request_of_a_client_alternating
         assert "unavailable" not in proxy.output() and "internal error" not in proxy.output()
     if store == "redis-cluster":  # the records spread over the masters
         assert sum(1 for keys in request.getfixturevalue("redis_cluster").keys_per_master() if keys) >= 2
+
+
+def emulating_replicas(emulator, start_proxy, cluster) -> list:
+    """Two proxies emulating the store in front of an upstream that keeps
+    nothing, each through another node of the cluster."""
+    emulator.model.control({"stateless": "reject"})
+    return [start_proxy(emulator.url, "--set", "stateful_emulate=always", "--set", f"stateful_store={master.url}")
+            for master in cluster.masters[:2]]
+
+
+def records_per_master(cluster, table: str) -> list[int]:
+    """How many records of ``table`` each master holds."""
+    counts = []
+    for master in range(len(cluster.masters)):
+        with cluster.client(master) as client:
+            counts.append(sum(1 for _ in client.scan_iter(match=f"*}}:r:{table}:*", count=1000)))
+    return counts
+
+
+def test_a_thousand_conversations_of_as_many_tenants_spread_over_every_master(emulator, start_proxy,
+                                                                               redis_cluster):
+    """Each conversation's first turn through one of two proxies; every
+    tenth goes on through the other, continued from the record the first
+    left in the cluster."""
+    proxies = emulating_replicas(emulator, start_proxy, redis_cluster)
+    meant: dict[str, list] = {}
+    started = time.monotonic()
+
+    def conversation(n: int) -> None:
+        key = {"authorization": f"Bearer sk-tenant-{n}"}
+        first, second = {"role": "user", "content": f"c{n} t1"}, {"role": "user", "content": f"c{n} t2"}
+        with httpx.Client(trust_env=False, timeout=30) as client:
+            one = client.post(proxies[n % 2].url + "/v1/responses", headers=key,
+                              json={"model": "gpt-test", "input": [first]})
+            assert one.status_code == 200, one.text
+            meant[first["content"]] = [first]
+            if n % 10 == 0:
+                two = client.post(proxies[1 - n % 2].url + "/v1/responses", headers=key,
+                                  json={"model": "gpt-test", "input": [second],
+                                        "previous_response_id": one.json()["id"]})
+                assert two.status_code == 200, two.text
+                meant[second["content"]] = [first, *one.json()["output"], second]
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(conversation, range(1000)))
+    took = time.monotonic() - started
+    served = [r for r in log(emulator) if r["status_code"] == 200]
+    assert len(served) == len(meant) == 1100
+    for record in served:
+        text = record["context"][-1]["content"]
+        assert drop_nulls(record["context"]) == drop_nulls(meant[text]), text
+    turns = records_per_master(redis_cluster, "turns")
+    shares = [n / sum(turns) for n in turns]
+    shards = set()
+    for master in range(3):
+        with redis_cluster.client(master) as client:
+            shards |= {key.partition(b"}")[0] for key in client.scan_iter(match="*}:r:turns:*", count=1000)}
+    print(f"1000 conversations of 1000 tenants, 1100 turns in {took:.1f} s: turn records per master {turns}, "
+          f"shares {', '.join(f'{share:.1%}' for share in shares)}, {len(shards)} of 64 shards")
+    assert sum(turns) == 1100 and all(0.25 < share < 0.42 for share in shares), turns
+    assert len(shards) == 64
+    for proxy in proxies:
+        assert "unavailable" not in proxy.output() and "internal error" not in proxy.output()
+
+
+def test_a_slot_resharded_mid_run_by_redis_cli_loses_no_turn(emulator, start_proxy, own_redis_cluster, tmp_path):
+    """Clients alternating between two proxies that emulate the store: every
+    request is expanded from the cluster (the other proxy recorded the turn
+    before), while ``redis-cli --cluster reshard`` moves a slot holding a
+    tenant's records (and the slots below it) to another master."""
+    cluster = own_redis_cluster
+    proxies = emulating_replicas(emulator, start_proxy, cluster)
+    clients = [Alternating(proxies, conversation=ChainedConversation, api_key=f"sk-tenant-{n}") for n in range(12)]
+    for n, client in enumerate(clients):
+        client.turns([f"tenant {n}: the first turn"])
+    used: dict[int, int] = {}  # slot -> its master, of every slot holding a turn
+    for master in range(3):
+        with cluster.client(master) as client:
+            used.update((key_slot(key), master) for key in client.scan_iter(match="*}:r:turns:*"))
+    owned = {master: cluster.slots_of(master) for master in range(3)}
+
+    def moved_with(slot: int) -> int:
+        """How many slots reshard moves from the slot's master to take it (it takes the lowest first)."""
+        return sum(1 for s in owned[used[slot]] if s <= slot)
+
+    slot = min(used, key=moved_with)
+    source = used[slot]
+    target = (source + 1) % 3
+    report = open(tmp_path / "reshard.log", "w+")  # a file: a pipe nobody reads would fill and stop it
+    reshard = subprocess.Popen(
+        ["redis-cli", "--cluster", "reshard", f"127.0.0.1:{cluster.masters[0].port}",
+         "--cluster-from", cluster.node_id(source), "--cluster-to", cluster.node_id(target),
+         "--cluster-slots", str(moved_with(slot)), "--cluster-yes", "--cluster-pipeline", "2"],
+        stdout=report, stderr=subprocess.STDOUT, text=True)
+    rounds = 0
+    while reshard.poll() is None:  # paced: the chains stay far from the proxy's depth bound
+        for n, client in enumerate(clients):
+            client.turns([f"tenant {n}: while slots move, {rounds}"])
+        rounds += 1
+        time.sleep(0.05)
+    report.seek(0)
+    assert reshard.returncode == 0, report.read()[-2000:]
+    report.close()
+    cluster.wait_until_ok()
+    for n, client in enumerate(clients):
+        client.turns([f"tenant {n}: after the move"])
+        client.close()
+    print(f"{len(clients)} tenants alternating over 2 proxies: {rounds} rounds of turns while reshard moved "
+          f"{moved_with(slot)} slots from master {source} to {target}")
+    assert rounds >= 1 and cluster.owner(slot) == target
+    records = log(emulator)
+    assert all(r["status_code"] == 200 for r in records)
+    for n, client in enumerate(clients):
+        assert_chain_context_preserved(client.conv, [r for r in records
+                                                     if r["context"][0]["content"].startswith(f"tenant {n}:")])
+    for proxy in proxies:
+        assert "unavailable" not in proxy.output() and "internal error" not in proxy.output()
+
+
+def test_a_master_stopped_and_restarted_mid_run_loses_no_turn(emulator, start_proxy, own_redis_cluster):
+    """Forward mode, a client alternating between two proxies: while a master
+    is down (and then the whole cluster, once it is marked failed) every
+    request still gets its answer, whole where the store cannot say; once the
+    master is back, what the proxies learned meanwhile reaches the store: a
+    third proxy that has seen nothing continues from every turn of the
+    outage."""
+    cluster = own_redis_cluster
+    proxies = [start_proxy(emulator.url, "--set", f"stateful_store={cluster.masters[n].url}") for n in (0, 2)]
+    client = Alternating(proxies)
+    client.turns(user_turns(3))
+    cluster.stop_master(1)
+    before = len(log(emulator))
+    client.turns(user_turns(4, tag="outage "))
+    during = log(emulator)[before:]
+    cluster.start_master(1)
+    client.turns(user_turns(2, tag="after "))
+    client.close()
+    records = log(emulator)
+    assert all(r["status_code"] == 200 for r in records)
+    assert_context_preserved(client.conv.sent, records)
+    deadline = time.monotonic() + 30
+    while not all("is back" in proxy.output() for proxy in proxies):
+        assert time.monotonic() < deadline, [proxy.output()[-2000:] for proxy in proxies]
+        time.sleep(0.2)
+
+    cold = start_proxy(emulator.url, "--set", f"stateful_store={cluster.masters[2].url}")
+    sent = {record["response_id"]: client.conv.sent[records.index(record)].body["input"] for record in during}
+    for record in during:  # a fork right after each answer of the outage
+        fork = [*sent[record["response_id"]], *record["output"], {"role": "user", "content": "a fork"}]
+        with httpx.Client(trust_env=False, timeout=30) as http:
+            answer = http.post(cold.url + "/v1/responses", headers=AUTH, json={"model": "gpt-test", "input": fork})
+        assert answer.status_code == 200, answer.text
+        assert log(emulator)[-1]["previous_response_id"] == record["response_id"]
+    print(f"{len(during)} requests while master 1 was down, each continued from by a cold proxy after")
+    for proxy in proxies:
+        assert "internal error" not in proxy.output()
 
 
 def test_redis_stopping_mid_run_is_invisible_and_heals(emulator, start_proxy, redis_server):

@@ -15,7 +15,11 @@ most ``max_entries_per_branch`` entries (its newest), so memory is bounded by
 Each entry also expires (the upstream forgets stored responses after a while).
 
 This is the in-process cache of what the addon knows; the backing store
-holds the same entries (``StoredEntry``) for other processes and restarts.
+holds the same entries (``StoredEntry``) for other processes and restarts,
+keyed by their digests alone: on a Redis Cluster they spread one by one over
+the shards, every conversation's and every tenant's, since no entry needs
+another (a reader that misses one continues from a shorter prefix, or sends
+the request whole).
 """
 
 from __future__ import annotations

@@ -26,6 +26,14 @@ by the item ids a client echoes, else the one still at its chain's tip is the
 one continued. Tool outputs a client puts right after each call they answer
 still continue the answer that made the calls.
 
+Every key of the index starts with its credential's shard tag
+(``state.storage.shard_tag``) in place of its digest's first bytes: on a
+Redis Cluster one credential's index is in one slot, so that a turn's entries
+and its chain's tip are written in one script and a reader never sees a turn
+without the tip it set; other credentials land elsewhere. (Keys made before
+tags are not read again: the first turn of a conversation after the change
+starts a new chain in the record, continuing nothing for the client.)
+
 Pure: no mitmproxy, no I/O; the index leaves through an outbox and misses are
 looked up by the glue (as ``planner.py``).
 """
@@ -44,11 +52,12 @@ from ..entropy import random_bytes
 from ..items import SEQUENCE_DIGEST_SIZE, Ambiguous, ItemSequence, canonical_json
 from ..settings import Config
 from ..state.outbox import Outbox, Write
+from ..state.storage import SHARD_TAG_SIZE, shard_tag
 from .protocols import AuditEntry, LiftedAnswer, LiftedRequest, ToolResult
 
 CHAIN_TURNS = "chain-turns"  # digest of a turn's messages + answer -> the TurnRefs that end so
 CHAIN_RESPONSES = "chain-responses"  # a response id, or a conversation's newest turn, per credential -> TurnRef
-CHAIN_TIPS = "chain-tips"  # chain id -> its Tip
+CHAIN_TIPS = "chain-tips"  # chain id (after its credential's shard tag) -> its Tip
 DISPOSITIONS = ("preserved", "lossy", "dropped", "unsupported")
 # Answers a client can echo and go on from: finished, or ended early with a reason (out of tokens, a paused
 # server tool loop). An answer that never ended (no stop reason), an error or a refusal is a dead end.
@@ -162,6 +171,7 @@ class Turn:
     responses_key: Callable[[str], bytes]
     attempt: bytes  # names the request: a retry sends the same messages on the same chain
     secret: bytes
+    shard: bytes  # leads every key of its credential's index
     conversation_key: bytes | None = None  # where its conversation's newest turn is indexed
     own_chain: str = ""  # the chain it starts if it opens one or forks, named once needed
     previous: TurnRef | None = None
@@ -175,19 +185,26 @@ class Turn:
     restored: bool = False
     continued_upstream: bool = False  # the proxy continued it from state the upstream holds
 
+    def tagged(self, digest: bytes) -> bytes:
+        """The index key of ``digest``: in its credential's shard."""
+        return self.shard + digest[SHARD_TAG_SIZE:]
+
+    def tip_key(self, chain_id: str) -> bytes:
+        return self.shard + chain_id.encode()
+
     def prefix(self, k: int) -> bytes:
-        """The digest of the request's first ``k`` messages; the newest two
+        """The key of the request's first ``k`` messages; the newest two
         come from the one pass ``begin`` made."""
         n = len(self.sequence.items)
-        return self.hashed.digest(SEQUENCE_DIGEST_SIZE) if k == n else self.before_last if k == n - 1 \
-            else self.sequence.digests[k - 1]
+        return self.tagged(self.hashed.digest(SEQUENCE_DIGEST_SIZE) if k == n else self.before_last if k == n - 1
+                           else self.sequence.digests[k - 1])
 
     def answered_key(self, answer: list[bytes]) -> bytes:
-        """The digest of the request's messages and then the answer's: what a
+        """The key of the request's messages and then the answer's: what a
         request that echoes this answer has as a prefix."""
         hasher = self.hashed.copy()
         hasher.update(b"".join(answer))
-        return hasher.digest(SEQUENCE_DIGEST_SIZE)
+        return self.tagged(hasher.digest(SEQUENCE_DIGEST_SIZE))
 
     def new_chain(self) -> str:
         self.own_chain = self.own_chain or new_id("chain")
@@ -286,18 +303,21 @@ class ChainIndex:
         before_last = hashed.digest(SEQUENCE_DIGEST_SIZE)
         hashed.update(digests[-1] if digests else b"")
 
+        shard = shard_tag(root)
+
         def responses_key(response_id: str) -> bytes:
-            return blake3(root + b"\x00response\x00" + response_id.encode("utf-8", "surrogatepass"),
-                          key=secret).digest(16)
+            return shard + blake3(root + b"\x00response\x00" + response_id.encode("utf-8", "surrogatepass"),
+                                  key=secret).digest(16)[SHARD_TAG_SIZE:]
 
         previous_id = (request.previous_response_id or "").encode("utf-8", "surrogatepass")
         attempt = blake3(b"attempt\x00" + hashed.digest(SEQUENCE_DIGEST_SIZE) + b"\x00" + previous_id,
                          key=secret).digest(16)
         turn = Turn(new_id("turn"), flow_id, request.protocol, upstream, root, request, ItemSequence(root, digests),
-                    hashed, before_last, responses_key, attempt, secret)
+                    hashed, before_last, responses_key, attempt, secret, shard)
         if request.conversation_id:
             conversation = request.conversation_id.encode("utf-8", "surrogatepass")
-            turn.conversation_key = blake3(root + b"\x00conversation\x00" + conversation, key=secret).digest(16)
+            turn.conversation_key = turn.tagged(blake3(root + b"\x00conversation\x00" + conversation,
+                                                       key=secret).digest(16))
             turn.own_chain = "chain_" + blake3(root + b"\x00conversation chain\x00" + conversation,
                                                key=secret).hexdigest(8)
         self._continue(turn, {})
@@ -315,12 +335,12 @@ class ChainIndex:
     def unknown_tips(self, turn: Turn) -> list[bytes]:
         """The chains the turn may continue whose tips memory does not know (the backing store may)."""
         chains = dict.fromkeys(ref.chain_id for ref in turn.echo.refs) if turn.echo else {}
-        return [chain.encode() for chain in chains if self.tips.hit(chain) is None]
+        return [turn.tip_key(chain) for chain in chains if self.tips.hit(chain) is None]
 
     def learn_tips(self, turn: Turn, found: Mapping[bytes, bytes]) -> None:
-        for chain, data in found.items():
+        for key, data in found.items():
             if (tip := _decode_tip(data)) is not None:
-                self.tips.put(chain.decode(errors="replace"), tip)
+                self.tips.put(key[len(turn.shard):].decode(errors="replace"), tip)
         self._decide_chain(turn)
 
     def _continue(self, turn: Turn, stored: Mapping[bytes, list[TurnRef]]) -> None:
@@ -376,7 +396,7 @@ class ChainIndex:
                 if last - i + 1 != len(models) and (i == 0 or items.kind(i - 1) != "model"):
                     starts.append((i, models[::-1]))
             i -= 1
-        keys = _sequence_keys(turn.root, turn.sequence.items, starts[::-1])
+        keys = map(turn.tagged, _sequence_keys(turn.root, turn.sequence.items, starts[::-1]))
         for (start, positions), key in zip(starts[::-1], keys):
             if refs := self._refs(key, stored):
                 return Echo(refs, last + 1, positions)
@@ -439,7 +459,7 @@ class ChainIndex:
         second request continuing the same turn is a fork, unless it is this
         same request again."""
         parent = turn.previous.turn_id if turn.previous else None
-        self._put_tip(turn.chain_id, Tip(turn.turn_id, parent, turn.attempt, open=True))
+        self._put_tip(turn, Tip(turn.turn_id, parent, turn.attempt, open=True))
         self.attempts.put(turn.attempt, Attempt(turn.turn_id, turn.chain_id, parent, turn.fork))
 
     def finish(self, turn: Turn, answer: LiftedAnswer | None) -> None:
@@ -455,7 +475,7 @@ class ChainIndex:
         if answer.status == "completed" and attempt is not None and attempt.turn_id == turn.turn_id:
             del self.attempts[turn.attempt]
         if turn.conversation_key:  # responses on one conversation all join it: none branches off
-            self._put_tip(turn.chain_id, Tip(turn.turn_id, turn.previous.turn_id if turn.previous else None))
+            self._put_tip(turn, Tip(turn.turn_id, turn.previous.turn_id if turn.previous else None))
         else:
             self._settle_tip(turn)
         try:
@@ -484,7 +504,7 @@ class ChainIndex:
         tip = self.tips.hit(turn.chain_id)
         if tip is not None and tip.turn_id not in (turn.turn_id, parent) and not tip.open:
             turn.chain_id, turn.fork = new_id("chain"), turn.previous is not None
-        self._put_tip(turn.chain_id, Tip(turn.turn_id, parent, turn.attempt))
+        self._put_tip(turn, Tip(turn.turn_id, parent, turn.attempt))
 
     def _release(self, turn: Turn) -> None:
         """A dead end gives its chain's tip back to the turn it continued."""
@@ -492,14 +512,14 @@ class ChainIndex:
         if tip is None or tip.turn_id != turn.turn_id:
             return
         if turn.previous is not None and not turn.fork:
-            self._put_tip(turn.chain_id, Tip(turn.previous.turn_id))
+            self._put_tip(turn, Tip(turn.previous.turn_id))
         else:  # it opened the chain: nothing on it to continue
             self.tips.pop(turn.chain_id, None)
-            self._outbox.append(Write(CHAIN_TIPS, turn.chain_id.encode(), None))
+            self._outbox.append(Write(CHAIN_TIPS, turn.tip_key(turn.chain_id), None))
 
-    def _put_tip(self, chain_id: str, tip: Tip) -> None:
-        self.tips.put(chain_id, tip)
-        self._outbox.append(Write(CHAIN_TIPS, chain_id.encode(), _ENCODE(tip), self.config.ttl))
+    def _put_tip(self, turn: Turn, tip: Tip) -> None:
+        self.tips.put(turn.chain_id, tip)
+        self._outbox.append(Write(CHAIN_TIPS, turn.tip_key(turn.chain_id), _ENCODE(tip), self.config.ttl))
 
 
 def _sequence_keys(root: bytes, digests: list[bytes], answers: list[tuple[int, list[int]]]) -> list[bytes]:

@@ -4,7 +4,9 @@ memory through any outage.
 
 Nothing here blocks the event loop: the backends are async (SQLite runs in its
 own thread), writes go through one writer task in order, and a read on a
-request's path waits at most ``READ_TIMEOUT``.
+request's path waits at most ``READ_TIMEOUT``. A write the store failed (or
+the part of it a cluster could not take) waits, in order, ahead of every later
+one, and is sent again once the store is back, for ``RETRY_FOR`` at most.
 """
 
 from __future__ import annotations
@@ -13,15 +15,18 @@ import asyncio
 import logging
 import os
 import threading
+import time
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from mitmproxy import command, ctx
 
 from ..settings import Config, Settings
 from ..tenancy import Tenancy
 from ..upstreams import MARKS, Upstreams
-from .outbox import Remembers, Write, apply_writes
-from .storage import Storage, StorageError, open_storage
+from .outbox import Remembers, Write, batch_of
+from .storage import ONCE_TTL, Batch, Storage, StorageError, open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +36,24 @@ RETRY_AFTER = 2.0  # between attempts to reach a store that failed
 MARKS_EVERY = 5.0  # how often marks set by other processes are read
 READY_WAIT = 2.0  # at start, requests wait this long at most for the store
 DRAIN_WAIT = 3.0  # at shutdown, the last writes get this long
+RETRY_FOR = min(300.0, ONCE_TTL / 2)  # a write the store failed is sent again for this long at most
+RETRY_BYTES = 64 * 1024 * 1024  # writes waiting to be sent again, their keys' and values' bytes at most
+
+
+@dataclass
+class Unwritten:
+    """Writes the store has not taken yet, as the outboxes gave them; once
+    made into a batch, that batch (a retry sends the same ``once`` token),
+    or the part of it that a failure left unwritten."""
+
+    since: float
+    writes: list[Write]
+    size: int
+    batch: Batch | None = None
+
+    @classmethod
+    def of(cls, writes: list[Write]) -> Unwritten:
+        return cls(time.monotonic(), writes, sum(len(w.key) + len(w.value or b"") for w in writes))
 
 
 class StateStore:
@@ -44,11 +67,12 @@ class StateStore:
         self.sources: tuple[Remembers, ...] = (upstreams, *others)
         self.storage: Storage | None = None
         self.up = False  # connected, secret loaded: reads and writes go to the store
-        self._queue: asyncio.Queue[tuple[list[Write], asyncio.Future]] | None = None
+        self._queue: asyncio.Queue[tuple[list[Write], asyncio.Future | None]] | None = None
         self._tasks: list[asyncio.Task] = []
         self._warned = False  # one warning per outage
         self._attempted: asyncio.Event | None = None  # the first connection attempt is over
-        self._inflight: list[Write] = []  # the batch the writer is applying
+        self._unwritten: deque[Unwritten] = deque()  # oldest first: the writer's next, then those behind it
+        self._gave_up = False  # writes were given up in this outage (and a warning said so)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -72,7 +96,7 @@ class StateStore:
     def _stop(self) -> None:
         """Stop, and write what is still queued before going: a turn an agent
         was just answered must survive a restart."""
-        unwritten = self._unwritten()
+        unwritten = self._take_unwritten()
         for task in self._tasks:
             task.cancel()
         self._tasks = []
@@ -82,14 +106,17 @@ class StateStore:
                 _drain(storage.name, self.config.settings, self._limits(), unwritten)
             asyncio.get_running_loop().create_task(self._close_quietly(storage))
 
-    def _unwritten(self) -> list[Write]:
-        """The batch being written, the queued ones and the outboxes, in order."""
-        writes = list(self._inflight)
+    def _take_unwritten(self) -> list[Unwritten]:
+        """What waits to be sent again, the queued writes and the outboxes, in order."""
+        unwritten, self._unwritten = list(self._unwritten), deque()
+        writes = []
         while self._queue is not None and not self._queue.empty():
             batch, done = self._queue.get_nowait()
             writes += batch
-            done.set_result(False)  # drained at shutdown, if at all: nobody may count on it
-        return writes + [w for source in self.sources for w in source.take_writes()]
+            if done is not None:
+                done.set_result(False)  # drained at shutdown, if at all: nobody may count on it
+        writes += [w for source in self.sources for w in source.take_writes()]
+        return unwritten + [Unwritten.of(writes)] if writes else unwritten
 
     @staticmethod
     async def _close_quietly(storage: Storage) -> None:
@@ -114,6 +141,8 @@ class StateStore:
                     self.upstreams.load(await self.storage.scan(MARKS))
                     self.up = True
                     self._recovered()
+                    if self._unwritten and self._queue is not None:
+                        self._queue.put_nowait(([], None))  # what waits goes now, not with the next answer
                 else:
                     await self._share_secret(self.storage)
                     self.upstreams.load(await self.storage.scan(MARKS))
@@ -155,7 +184,7 @@ class StateStore:
         disk still connects, and fails at the next write)."""
         if self._warned and self.storage is not None:
             logger.warning("stateful-responses: state store %s is back", self.storage.name)
-            self._warned = False
+            self._warned = self._gave_up = False
 
     # -- the request path ------------------------------------------------------
 
@@ -225,27 +254,66 @@ class StateStore:
         return done.done() and done.result() is True
 
     async def _write_loop(self) -> None:
-        assert self._queue is not None
+        queue = self._queue
+        assert queue is not None
         while True:
-            writes, done = await self._queue.get()
+            try:  # what waits to be sent again is tried every RETRY_AFTER too
+                writes, done = await asyncio.wait_for(queue.get(), RETRY_AFTER) if self._unwritten \
+                    else await queue.get()
+            except asyncio.TimeoutError:
+                writes, done = [], None
             finished = [done]
-            while not self._queue.empty():  # what queued meanwhile goes in the same few calls
-                more, also_done = self._queue.get_nowait()
+            while not queue.empty():  # what queued meanwhile goes in the same few calls
+                more, also_done = queue.get_nowait()
                 writes, finished = writes + more, finished + [also_done]
-            durable = False
+            if writes:
+                self._unwritten.append(Unwritten.of(writes))
+            durable = await self._write_unwritten()
+            for future in finished:
+                if future is not None and not future.done():
+                    future.set_result(durable)
+
+    async def _write_unwritten(self) -> bool:
+        """Send what waits, oldest first, until the store fails; whether
+        everything is written. A failed batch stays first in line, whole or
+        the part the store says it lacks, so that no later write overtakes
+        it."""
+        while self._unwritten and self.up and self.storage is not None:
+            first = self._unwritten[0]
+            unchecked: list[Write] = []
             try:
-                if self.up and self.storage is not None:
-                    self._inflight = writes
-                    await apply_writes(self.storage, writes)
-                    self._worked()
-                    durable = True
+                if first.batch is None:
+                    first.batch = await batch_of(self.storage, first.writes, unchecked)
+                    if unchecked:  # checked and written next, after what came with them
+                        self._unwritten.insert(1, Unwritten.of(unchecked))
+                await self.storage.write(first.batch)
             except StorageError as e:
+                if e.unwritten is not None and first.batch is not None:
+                    first.batch = e.unwritten
                 self._failed(e)
-            finally:
-                self._inflight = []
-                for future in finished:
-                    if not future.done():
-                        future.set_result(durable)
+                break
+            if self._unwritten and self._unwritten[0] is first:
+                self._unwritten.popleft()
+            if unchecked:
+                self._failed(StorageError(f"{self.storage.name}: unreachable for part of the records"))
+                break
+            self._worked()
+        self._give_up_old()
+        return not self._unwritten
+
+    def _give_up_old(self) -> None:
+        """Drop what waited past RETRY_FOR, and the oldest beyond
+        RETRY_BYTES, with one warning per outage: a bound on what an outage
+        costs memory, and on how late a write may still land."""
+        now, size, dropped = time.monotonic(), sum(u.size for u in self._unwritten), 0
+        while self._unwritten and (now - self._unwritten[0].since > RETRY_FOR or size > RETRY_BYTES):
+            gone = self._unwritten.popleft()
+            size, dropped = size - gone.size, dropped + len(gone.writes)
+        if dropped and not self._gave_up:
+            self._gave_up = True
+            name = self.storage.name if self.storage is not None else self.config.settings.store
+            logger.warning("stateful-responses: writes to %s are given up after %.0f s, or beyond %d MiB, "
+                           "unwritten (%d so far)", name, RETRY_FOR, RETRY_BYTES >> 20, dropped)
 
     def _limits(self) -> dict[str, int]:
         """Records per table: what each source declares for a store on disk
@@ -261,6 +329,7 @@ class StateStore:
         """Forget everything the addon learned, in memory and in the store."""
         for source in self.sources:
             source.clear()
+        self._unwritten.clear()
         if self.up and self.storage is not None:
             asyncio.get_running_loop().create_task(self._clear_store(self.storage))
         logger.info("stateful-responses: forgot everything it had learned")
@@ -272,7 +341,7 @@ class StateStore:
             self._failed(e)
 
 
-def _drain(name: str, settings: Settings, limits: dict[str, int], writes: list[Write]) -> None:
+def _drain(name: str, settings: Settings, limits: dict[str, int], unwritten: list[Unwritten]) -> None:
     """Apply the last writes at shutdown (or when the store changes). The hook
     that stops us cannot wait on the event loop, so they go through a store
     of their own on a thread of their own, for at most DRAIN_WAIT seconds."""
@@ -284,7 +353,8 @@ def _drain(name: str, settings: Settings, limits: dict[str, int], writes: list[W
                                max_bytes=settings.store_max_mb * 1024 * 1024)
         try:
             await storage.open()
-            await apply_writes(storage, writes)
+            for waiting in unwritten:
+                await storage.write(waiting.batch or await batch_of(storage, waiting.writes))
         finally:
             await storage.close()
 
@@ -292,7 +362,8 @@ def _drain(name: str, settings: Settings, limits: dict[str, int], writes: list[W
         try:
             asyncio.run(write())
         except StorageError as e:
-            logger.warning("stateful-responses: %d last writes to %s were lost (%s)", len(writes), name, e)
+            logger.warning("stateful-responses: %d last writes to %s were lost (%s)",
+                           sum(len(u.writes) for u in unwritten), name, e)
 
     thread = threading.Thread(target=run, name="stateful-responses-drain", daemon=True)
     thread.start()

@@ -13,7 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from .storage import Batch, Storage
+from ..entropy import random_bytes
+from .storage import SHARD_TAG_SIZE, Batch, Storage, StorageError
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +69,38 @@ class Remembers(Protocol):
 
 
 async def apply_writes(storage: Storage, writes: list[Write]) -> None:
-    """Apply writes in one batch: what counts is each key's last put or
-    delete, so puts are grouped by table and expiry, deletes by table; a
-    record that must not replace another is checked on its own first. Appends
-    to a log keep their order, each one, and drops go whole. Touches only ever
-    lengthen a record's life, so they are applied last, the longest of each
-    key's."""
+    """Apply writes in one batch (``batch_of``)."""
+    await storage.write(await batch_of(storage, writes))
+
+
+async def batch_of(storage: Storage, writes: list[Write], unchecked: list[Write] | None = None) -> Batch:
+    """Writes as one batch: what counts is each key's last put or delete, so
+    puts are grouped by table and expiry, deletes by table; a record that
+    must not replace another is checked first (one read per table and shard
+    tag). Appends to a log keep their order, each one, and drops go whole; a
+    batch with appends gets a ``once`` token, so that sending it again after a
+    failure appends nothing twice. Touches only ever lengthen a record's life,
+    so they are applied last, the longest of each key's.
+
+    A record whose check the store cannot make (its server is down) is left
+    out with every write of its key, onto ``unchecked`` in their order, to be
+    checked and written later; without ``unchecked`` the error is raised."""
+    checks = {(w.table, w.key): w for w in writes if w.merge is not None and w.value is not None and not w.log}
+    groups: dict[tuple[str, bytes], list[bytes]] = {}  # one read per table and shard tag, one after another
+    for table, key in checks:
+        groups.setdefault((table, key[:SHARD_TAG_SIZE]), []).append(key)
+    checked: dict[tuple[str, bytes], Write] = {}
+    for (table, _), keys in groups.items():
+        try:
+            stored = await storage.get(table, keys)
+        except StorageError:
+            if unchecked is None:
+                raise
+            continue
+        checked.update(((table, key), merged(checks[(table, key)], stored.get(key))) for key in keys)
+    if unchecked is not None and len(checked) < len(checks):
+        unchecked += [w for w in writes if (w.table, w.key) in checks and (w.table, w.key) not in checked]
+        writes = [w for w in writes if (w.table, w.key) not in checks or (w.table, w.key) in checked]
     last: dict[tuple[str, bytes], Write] = {}
     touches: dict[tuple[str, bytes], float] = {}
     appends: list[tuple[str, bytes, list[bytes], float, bool]] = []
@@ -96,7 +123,7 @@ async def apply_writes(storage: Storage, writes: list[Write]) -> None:
     deletes: dict[str, list[bytes]] = {}
     for write in last.values():
         if write.merge is not None and write.value is not None:
-            write = await merged(storage, write)
+            write = checked[(write.table, write.key)]
         if write.value is None:
             deletes.setdefault(write.table, []).append(write.key)
         else:
@@ -104,18 +131,17 @@ async def apply_writes(storage: Storage, writes: list[Write]) -> None:
     renewals: dict[tuple[str, float], list[bytes]] = {}
     for (table, key), ttl in touches.items():
         renewals.setdefault((table, ttl), []).append(key)
-    await storage.write(Batch(puts=[(table, records, ttl) for (table, ttl), records in puts.items()],
-                              deletes=list(deletes.items()),
-                              touches=[(table, keys, ttl) for (table, ttl), keys in renewals.items()],
-                              appends=appends, drops=list(drops.items())))
+    return Batch(puts=[(table, records, ttl) for (table, ttl), records in puts.items()],
+                 deletes=list(deletes.items()),
+                 touches=[(table, keys, ttl) for (table, ttl), keys in renewals.items()],
+                 appends=appends, drops=list(drops.items()), once=random_bytes(16) if appends else b"")
 
 
-async def merged(storage: Storage, write: Write) -> Write:
+def merged(write: Write, existing: bytes | None) -> Write:
     """A record that is already stored with another value (an upstream reusing
     ids) becomes what the write's ``merge`` says: continuing from it is then
     "not found", never someone else's context."""
     assert write.value is not None and write.merge is not None
-    existing = (await storage.get(write.table, [write.key])).get(write.key)
     merged = write.merge(existing, write.value) if existing is not None else None
     if merged is None:
         return write

@@ -128,9 +128,8 @@ class History:
         fingerprint_of = (previous_response_id, rolling[-1] if rolling else b"", output_keys)
         ancestors: list[bytes] = []
         if previous_response_id is not None:
-            parent_key = tenant.turn_key(previous_response_id)
-            parent = self.turns.get(parent_key)
-            ancestors = [parent_key] + (parent.header.ancestors if isinstance(parent, Turn) else [])
+            parent = self._known(tenant, previous_response_id)
+            ancestors = [parent.key, *parent.header.ancestors] if parent else [tenant.turn_key(previous_response_id)]
         key, header, record = tenant.seal_turn(body, created=self.config.clock(), size=size + len(body.response),
                                                stored_upstream=stored_upstream, fingerprint_of=fingerprint_of,
                                                ancestors=ancestors)
@@ -172,11 +171,10 @@ class History:
         now, keep = self.config.clock(), self.ttl + self.slack
         below, due = now + keep, []
         for dependency in dependencies:
-            keys = tenant.turn_keys(dependency)
-            for key in keys:
+            known = self._known(tenant, dependency)
+            for key in [known.key] if known is not None else tenant.turn_keys(dependency):
                 self._outbox.append(Write(DEPENDENTS, key, b"", self.ttl))
                 self._outbox.append(Write(TURNS, key, None, keep, touch=True))
-            known = next((t for k in keys if isinstance(t := self.turns.get(k), Turn)), None)
             if known is not None:
                 for item in (*known.body.input, *known.body.output):
                     self._outbox.append(Write(ITEMS, item, None, keep, touch=True))
@@ -187,6 +185,10 @@ class History:
                 below = min(below, renewed)
         self.renewed.put((tenant.tag, response_id), below)
         return due
+
+    def _known(self, tenant: Tenant, response_id: str) -> Turn | None:
+        """The turn as memory has it, wherever it is recorded."""
+        return next((t for k in tenant.turn_keys(response_id) if isinstance(t := self.turns.get(k), Turn)), None)
 
     async def renew(self, tenant: Tenant, response_id: str, get: GetRecords) -> None:
         """Keep everything ``response_id``'s turn relies on for the TTL and a

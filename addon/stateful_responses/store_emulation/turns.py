@@ -14,6 +14,14 @@ without the tenant's credential. The record's key is bound into the
 associated data: a sealed record copied under another key, or opened with
 another credential, fails to open and reads as "not found". In clear stay only
 what bounds and conflicts need: status, time, size, a keyed fingerprint.
+
+Every key of a tenant starts with its shard tag (``state.storage.shard_tag``)
+in place of its digest's first bytes: on a Redis Cluster a tenant's turns,
+items, item ids, marks and conversations are in one slot, so that a turn and
+everything it names are written in one script and never seen apart; other
+tenants land elsewhere. Keys made before tags (the whole digest) are still
+read, after the tagged ones: a store written by an earlier version keeps
+every id it handed out.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from ..entropy import random_bytes
+from ..state.storage import SHARD_TAG_SIZE, shard_tag
 
 TURNS = "turns"  # turn key -> TurnHeader (body sealed)
 ITEMS = "items"  # item key -> sealed item JSON
@@ -81,6 +90,7 @@ class Tenant:
     _secret: bytes
     _aead: ChaCha20Poly1305
     older: tuple[Tenant, ...] = ()
+    shard: bytes = b""  # leads each of its keys: the shard tag of ``tag``
 
     @classmethod
     def of(cls, secret: bytes, credential: bytes, *, seal_key: bytes = b"",
@@ -90,41 +100,52 @@ class Tenant:
         for tenants without a credential."""
         return _tenant(secret, credential, seal_key, older_secrets)
 
+    def _key(self, kind: bytes, name: bytes) -> bytes:
+        """The untagged key: what versions before tags wrote."""
+        return blake3(self.tag + kind + b"\x00" + name, key=self._secret).digest(KEY_SIZE)
+
+    def _own_keys(self, kind: bytes, name: str) -> tuple[bytes, bytes]:
+        """Under this tenant's secret: the key, and the untagged one."""
+        untagged = self._key(kind, name.encode("utf-8", "surrogatepass"))
+        return self.shard + untagged[SHARD_TAG_SIZE:], untagged
+
+    def _keys(self, kind: bytes, name: str) -> list[bytes]:
+        """Where a record may be: tagged under the current secret and the
+        older ones, then untagged under each."""
+        own = [t._own_keys(kind, name) for t in (self, *self.older)]
+        return [tagged for tagged, _ in own] + [untagged for _, untagged in own]
+
     def turn_key(self, response_id: str) -> bytes:
-        return blake3(self.tag + b"turn\x00" + response_id.encode("utf-8", "surrogatepass"),
-                      key=self._secret).digest(KEY_SIZE)
+        return self._own_keys(b"turn", response_id)[0]
 
     def turn_keys(self, response_id: str) -> list[bytes]:
         """Where a turn may be recorded: under the current secret, then the older ones."""
-        return [self.turn_key(response_id), *(older.turn_key(response_id) for older in self.older)]
+        return self._keys(b"turn", response_id)
 
     def item_key(self, digest: bytes, owner: str | None = None) -> bytes:
         """Where one item (the digest of its exact bytes) is, in this tenant
         only: by content alone, shared by every turn that holds those bytes;
         with ``owner`` (a response id), that turn's own, which goes with it."""
         scope = b"" if owner is None else owner.encode("utf-8", "surrogatepass") + b"\x00"
-        return blake3(self.tag + b"item\x00" + scope + digest, key=self._secret).digest(KEY_SIZE)
+        return self.shard + self._key(b"item", scope + digest)[SHARD_TAG_SIZE:]
 
     def item_id_key(self, item_id: str) -> bytes:
         """Where the item an ``item_reference`` names is found, in this tenant only."""
-        return blake3(self.tag + b"item-id\x00" + item_id.encode("utf-8", "surrogatepass"),
-                      key=self._secret).digest(KEY_SIZE)
+        return self._own_keys(b"item-id", item_id)[0]
 
     def item_id_keys(self, item_id: str) -> list[bytes]:
-        return [self.item_id_key(item_id), *(older.item_id_key(item_id) for older in self.older)]
+        return self._keys(b"item-id", item_id)
 
     def conversation_key(self, conversation_id: str) -> bytes:
         """Where a conversation's log is, in this tenant only."""
-        return blake3(self.tag + b"conversation\x00" + conversation_id.encode("utf-8", "surrogatepass"),
-                      key=self._secret).digest(KEY_SIZE)
+        return self._own_keys(b"conversation", conversation_id)[0]
 
     def conversation_keys(self, conversation_id: str) -> list[bytes]:
-        return [self.conversation_key(conversation_id), *(older.conversation_key(conversation_id)
-                                                          for older in self.older)]
+        return self._keys(b"conversation", conversation_id)
 
     def ledger_key(self) -> bytes:
         """Where the list of this tenant's conversations is: what its share of the store is counted from."""
-        return blake3(self.tag + b"conversations\x00", key=self._secret).digest(KEY_SIZE)
+        return self._own_keys(b"conversations", "")[0]
 
     def seal(self, data: bytes, key: bytes) -> bytes:
         nonce = random_bytes(_NONCE)
@@ -160,7 +181,7 @@ class Tenant:
 
     def recorder(self, response_id: str, key: bytes) -> Tenant:
         """This credential under the secret the turn at ``key`` was recorded with."""
-        return next((t for t in (self, *self.older) if t.turn_key(response_id) == key), self)
+        return next((t for t in (self, *self.older) if key in t._own_keys(b"turn", response_id)), self)
 
     def open_turn(self, response_id: str, key: bytes, record: bytes) -> tuple[TurnHeader, TurnBody] | None:
         """A recorded turn (``key`` is its ``turn_key``), or None: unreadable,
@@ -213,7 +234,7 @@ def _tenant(secret: bytes, credential: bytes, seal_key: bytes, older_secrets: tu
     else:
         key = blake3(secret + credential, derive_key_context=_SEAL_CONTEXT).digest(32)
     older = tuple(_tenant(s, credential, seal_key, ()) for s in older_secrets if s != secret)
-    return Tenant(tag, secret, ChaCha20Poly1305(key), older)
+    return Tenant(tag, secret, ChaCha20Poly1305(key), older, shard_tag(tag))
 
 
 def header_of(record: bytes) -> TurnHeader | None:

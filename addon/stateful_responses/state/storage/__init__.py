@@ -10,9 +10,10 @@ shared by any number of proxies.
 A key's first ``SHARD_TAG_SIZE`` bytes are its shard tag: a backend that
 spreads records over servers (a Redis Cluster) keeps the records of one tag
 together, in every table, and writes them at once. Keys that are digests
-spread record by record; ``shard_key`` leads a key with the tag of whatever
-its records must change with (a tenant, a conversation). Memory and SQLite
-keep everything together anyway and ignore tags.
+spread record by record; a key whose records must change with others (a
+tenant's) starts with the tag of what they share (``shard_tag``), in place
+of its digest's first bytes. Memory and SQLite keep everything together
+anyway and ignore tags.
 
 A table may also hold append-only logs, for records that several processes
 add to at once: a log named ``key`` is its length record at ``key`` (8 bytes,
@@ -36,7 +37,13 @@ from urllib.parse import urlsplit
 
 class StorageError(Exception):
     """The backing store failed or is unreachable. Callers carry on from memory;
-    the message never holds a key, a value or a credential."""
+    the message never holds a key, a value or a credential. ``unwritten``:
+    of a failed ``write``, the part that may not be in the store (None: all of
+    it); the rest is."""
+
+    def __init__(self, message: str = "", unwritten: Batch | None = None) -> None:
+        super().__init__(message)
+        self.unwritten = unwritten
 
 
 class Storage(Protocol):
@@ -70,7 +77,9 @@ class Storage(Protocol):
         """Apply ``batch`` in one call: its deletes, its drops, its puts, its
         appends, then its touches, in one transaction (SQLite, a Redis
         server), or in a Redis Cluster one per shard, which holds whole shard
-        tags (and so whole logs). ``put`` and ``delete`` are one-table batches."""
+        tags (and so whole logs). ``put`` and ``delete`` are one-table batches.
+        A failure says which part may be unwritten (``StorageError.unwritten``):
+        sending that part again is safe (see ``Batch.once``)."""
 
     async def scan(self, table: str) -> dict[bytes, bytes]:
         """Every unexpired record of a small table (marks), in one call."""
@@ -95,15 +104,24 @@ class Batch:
     of the log ``log``, in order, each entry expiring ``ttl`` from now (and the
     length record no sooner); a log that is not there (never started, expired,
     dropped) takes nothing unless ``start`` says to start it. Each drop
-    (table, logs) removes those logs whole, whatever was appended last."""
+    (table, logs) removes those logs whole, whatever was appended last.
+
+    Puts, deletes, drops and touches may be applied twice; appends may not,
+    so a batch with appends carries ``once``, a random token: a backend that
+    may have applied part of it without knowing (a Redis call timed out, a
+    cluster master failed mid-batch) remembers the token with each part that
+    holds appends, for ``ONCE_TTL``, and skips that part when the batch comes
+    again within that time."""
 
     puts: Sequence[tuple[str, Mapping[bytes, bytes], float]] = ()
     deletes: Sequence[tuple[str, Sequence[bytes]]] = ()
     touches: Sequence[tuple[str, Sequence[bytes], float]] = ()
     appends: Sequence[tuple[str, bytes, Sequence[bytes], float, bool]] = ()
     drops: Sequence[tuple[str, Sequence[bytes]]] = ()
+    once: bytes = b""
 
 
+ONCE_TTL = 3600.0  # seconds a backend remembers a batch's ``once``: a batch is sent again sooner, or never
 LOG_INDEX_SIZE = 8
 
 
@@ -121,14 +139,21 @@ def log_length(record: bytes | None) -> int:
     return int.from_bytes(record, "big") if record else 0
 
 
-SHARD_TAG_SIZE = 8  # bytes that lead a key and say which records belong together (the whole key, if shorter)
+# Bytes that lead a key and say which records belong together (the whole key, if shorter): two, 65,536 tags
+# (1,024 for each shard of a cluster), so that a digest that starts with a tag loses only 16 of its bits.
+SHARD_TAG_SIZE = 2
+
+
+def shard_tag(tag: bytes) -> bytes:
+    """The shard tag made from ``tag``: records whose keys start with it stay
+    together (one slot of a Redis Cluster), so that one write of them is
+    atomic wherever they live."""
+    return hashlib.blake2b(tag, digest_size=SHARD_TAG_SIZE).digest()
 
 
 def shard_key(tag: bytes, key: bytes) -> bytes:
-    """``key`` led by a shard tag made from ``tag``: records whose keys come
-    from one tag stay together (one slot of a Redis Cluster), so that one
-    write of them is atomic wherever they live."""
-    return hashlib.blake2b(tag, digest_size=SHARD_TAG_SIZE).digest() + key
+    """``key`` led by the shard tag made from ``tag``."""
+    return shard_tag(tag) + key
 
 
 DEFAULT_SQLITE_FILE = "stateful-responses.sqlite3"

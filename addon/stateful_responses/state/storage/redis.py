@@ -33,8 +33,11 @@ Redis expires the records themselves.
 In a cluster nothing spans shards atomically: the scripts of a batch go out
 together (one pipeline per master, the masters at once), a reader may see one
 shard's part of a batch before another's, and a failure may leave some parts
-written and others not. The records of one shard tag are never seen half
-written.
+written and others not: the error names the shards' parts that may be
+unwritten (``StorageError.unwritten``), to be sent again. The records of one
+shard tag are never seen half written. A part with appends is applied once
+only: its script first sets ``once:<token>`` in the shard (``Batch.once``,
+for ``ONCE_TTL``) and does nothing if it was there.
 
 Bounds: a write keeps its shard's part of a table within the table's limit,
 which on one server is the whole table, so the bound is exact. In a cluster, a
@@ -65,7 +68,7 @@ from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-from . import DEFAULT_TABLE_LIMIT, LOG_INDEX_SIZE, SHARD_TAG_SIZE, Batch, StorageError, check_table
+from . import DEFAULT_TABLE_LIMIT, LOG_INDEX_SIZE, ONCE_TTL, SHARD_TAG_SIZE, Batch, StorageError, check_table
 
 T = TypeVar("T")
 Client = redis.asyncio.Redis | RedisCluster
@@ -109,8 +112,10 @@ end
 #   records; per put section, the index then its record keys; per append
 #   section, the index then the log's length record; per touch section, the
 #   index then its record keys.
-# ARGV: the number of delete, drop, put, append and touch sections; per delete
-#   and per drop section, its number of keys; per put section, its number of
+#   With a once token, the token's key comes second, after the tables set.
+# ARGV: the number of delete, drop, put, append and touch sections; the once
+#   token's ttl ms ("" without a token); per delete and per drop section, its
+#   number of keys; per put section, its number of
 #   keys, ttl ms, limit, table name, then one value per record key; per append
 #   section, its number of values, ttl ms, limit, table name, "1" to start the
 #   log if it is not there, then the values; per touch section, its number of
@@ -131,7 +136,13 @@ local function keep_within(index, limit)
         redis.call('ZREMRANGEBYRANK', index, 0, over - 1)
     end
 end
-local k, a = 2, 6
+local k, a = 2, 7
+if ARGV[6] ~= '' then
+    if not redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[6]) then
+        return 0  -- applied before: the batch is sent again after a failure that did not stop this part
+    end
+    k = 3
+end
 for _ = 1, tonumber(ARGV[1]) do
     local index, count = KEYS[k], tonumber(ARGV[a])
     for i = k + 1, k + count, 1000 do
@@ -389,24 +400,35 @@ class RedisStorage:
                     await client.connection_pool.disconnect(inuse_connections=False)
             raise StorageError(f"{self.name}: {_describe(exc)}") from exc
 
+    @classmethod
+    async def _run(cls, client: Client, calls: Sequence[ScriptCall]) -> list:
+        """Each script's result; the first error is raised."""
+        results = await cls._results(client, calls)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results
+
     @staticmethod
-    async def _run(client: Client, calls: Sequence[ScriptCall]) -> list:
-        """Each script on the shard its keys name: one call, or one pipeline
-        (in a cluster, one per master, all at once). A master that lost its
-        scripts (restarted, or new) is given them and the calls run again."""
+    async def _results(client: Client, calls: Sequence[ScriptCall]) -> list:
+        """Each script on the shard its keys name, its result or its error in
+        its place: one call, or one pipeline (in a cluster, one per master,
+        all at once, so that a master that fails fails its calls only). A
+        master that lost its scripts (restarted, or new) is given them and the
+        calls run again."""
         if len(calls) == 1:
             script, keys, args = calls[0]
-            return [await script(keys=keys, args=args)]
-        results = await _pipelined(client, calls)
+            try:
+                return [await script(keys=keys, args=args)]
+            except redis.exceptions.RedisError as exc:
+                return [exc]
+        results = await _per_master(client, calls)
         unknown = [i for i, result in enumerate(results) if isinstance(result, redis.exceptions.NoScriptError)]
         if unknown:
             for script in {calls[i][0] for i in unknown}:
                 await client.script_load(script.script)  # in a cluster, on every master
-            for i, result in zip(unknown, await _pipelined(client, [calls[i] for i in unknown])):
+            for i, result in zip(unknown, await _per_master(client, [calls[i] for i in unknown])):
                 results[i] = result
-        for result in results:
-            if isinstance(result, Exception):
-                raise result
         return results
 
     def _shard(self, key: bytes) -> int:
@@ -474,28 +496,46 @@ class RedisStorage:
                 and not any(values for _, _, values, _, _ in batch.appends):
             return
         secret = self._secret
+        unwritten: list[Batch | None] = [None]
 
         async def in_one_script_per_shard(client: Client) -> None:
-            calls = [(self._write_script, keys, args) for keys, args in self._shard_parts(batch)]
+            parts = self._shard_parts(batch)
+            calls = [(self._write_script, keys, args) for _, keys, args in parts]
             if secret is not None:  # a server that restarted empty gets the secret back ahead of any record
                 calls.insert(0, (self._keyring_script, [self._secret_key, self._secrets_key], [secret, b"1"]))
-            await self._run(client, calls)
-            if len(self._shards) == 1:
-                return  # the shard's bound is the table's
-            written = [(table, len(records)) for table, records, _ in batch.puts] + \
-                [(table, len(values) + 1) for table, _, values, _, _ in batch.appends]
-            for table, count in written:
-                self._uncounted[table] = self._uncounted.get(table, 0) + count
-            for table in {table for table, count in written if count}:
-                limit = self._limit(table)
-                if self._uncounted[table] > limit // TRIM_SLACK:
-                    await self._trim(client, table, limit)
-                    self._uncounted[table] = 0
+            results = (await self._results(client, calls))[len(calls) - len(parts):]
+            failed = {shard for (shard, _, _), result in zip(parts, results) if isinstance(result, BaseException)}
+            if failed:
+                unwritten[0] = self._part_of(batch, failed) if len(failed) < len(parts) else batch
+                raise next(result for result in results if isinstance(result, BaseException))
 
-        await self._call(in_one_script_per_shard)
+        try:
+            await self._call(in_one_script_per_shard)
+        except StorageError as e:
+            e.unwritten = unwritten[0]
+            raise
+        if len(self._shards) > 1:
+            await self._keep_bounds(batch)
 
-    def _shard_parts(self, batch: Batch) -> list[tuple[list[bytes], list]]:
-        """Each shard's part of ``batch``: the WRITE script's keys and arguments."""
+    async def _keep_bounds(self, batch: Batch) -> None:
+        """In a cluster, count a table over every shard once 1% of its limit
+        was put into it since it was last counted. A count that fails is made
+        at a later write."""
+        written = [(table, len(records)) for table, records, _ in batch.puts] + \
+            [(table, len(values) + 1) for table, _, values, _, _ in batch.appends]
+        for table, count in written:
+            self._uncounted[table] = self._uncounted.get(table, 0) + count
+        for table in {table for table, count in written if count}:
+            limit = self._limit(table)
+            if self._uncounted[table] > limit // TRIM_SLACK:
+                try:
+                    await self._call(lambda client: self._trim(client, table, limit))
+                except StorageError:
+                    return
+                self._uncounted[table] = 0
+
+    def _shard_parts(self, batch: Batch) -> list[tuple[int, list[bytes], list]]:
+        """Each shard's part of ``batch``: the shard, the WRITE script's keys and arguments."""
         deletes: dict[int, dict[str, list[bytes]]] = {}
         for table, keys in batch.deletes:
             for key in keys:
@@ -526,7 +566,10 @@ class RedisStorage:
         for shard in {*deletes, *drops, *puts, *appends, *touches}:
             keys = [self._shards[shard] + b"tables"]
             args: list = [len(deletes.get(shard, {})), len(drops.get(shard, {})), len(puts.get(shard, {})),
-                          len(appends.get(shard, [])), len(touches.get(shard, {}))]
+                          len(appends.get(shard, [])), len(touches.get(shard, {})), b""]
+            if batch.once and shard in appends:
+                keys.append(self._shards[shard] + b"once:" + batch.once)
+                args[5] = math.ceil(ONCE_TTL * 1000)
             for table, names in deletes.get(shard, {}).items():
                 keys += [self._index(shard, table), *names]
                 args.append(len(names))
@@ -546,8 +589,21 @@ class RedisStorage:
                 table, _, ttl = batch.touches[n]
                 keys += [self._index(shard, table), *names]
                 args += [len(names), max(1, math.ceil(ttl * 1000))]
-            parts.append((keys, args))
+            parts.append((shard, keys, args))
         return parts
+
+    def _part_of(self, batch: Batch, shards: set[int]) -> Batch:
+        """What ``batch`` writes to ``shards``."""
+        def ours(key: bytes) -> bool:
+            return self._shard(key) in shards
+
+        return Batch(puts=[(table, {k: v for k, v in records.items() if ours(k)}, ttl)
+                           for table, records, ttl in batch.puts],
+                     deletes=[(table, [k for k in keys if ours(k)]) for table, keys in batch.deletes],
+                     touches=[(table, [k for k in keys if ours(k)], ttl) for table, keys, ttl in batch.touches],
+                     appends=[append for append in batch.appends if ours(append[1])],
+                     drops=[(table, [log for log in logs if ours(log)]) for table, logs in batch.drops],
+                     once=batch.once)
 
     async def _trim(self, client: Client, table: str, limit: int) -> None:
         """Evict the soonest-expiring records of ``table`` beyond ``limit``,
@@ -600,11 +656,34 @@ class RedisStorage:
             await client.aclose()
 
 
+async def _per_master(client: Client, calls: Sequence[ScriptCall]) -> list:
+    """Each call's result or error in its place: one pipeline, or in a
+    cluster one per master, all at once, so that a master out of reach (an
+    error for its whole pipeline) fails only the calls of its own slots."""
+    if not isinstance(client, RedisCluster):
+        return await _pipelined(client, calls)
+    await client.initialize()  # the slots' owners, if the client has not asked for them yet
+    masters: dict[str, list[int]] = {}
+    for i, (_, keys, _) in enumerate(calls):
+        try:
+            node = client.get_node_from_key(keys[0])
+        except redis.exceptions.RedisClusterException:  # a slot no master serves: its call fails alone
+            node = None
+        masters.setdefault(node.name if node is not None else "", []).append(i)
+    outcomes = await asyncio.gather(*(_pipelined(client, [calls[i] for i in group]) for group in masters.values()),
+                                    return_exceptions=True)
+    results: list = [None] * len(calls)
+    for group, outcome in zip(masters.values(), outcomes):
+        for n, i in enumerate(group):
+            results[i] = outcome if isinstance(outcome, BaseException) else outcome[n]
+    return results
+
+
 async def _pipelined(client: Client, calls: Sequence[ScriptCall]) -> list:
     """EVALSHA of each call in one pipeline, each result or error in its
     place. (A cluster pipeline blocks its evalsha() method, which cannot load a
-    script a master lacks; ``RedisStorage._run`` does. The command itself goes
-    to the master of its keys' slot.)"""
+    script a master lacks; ``RedisStorage._results`` does. The command itself
+    goes to the master of its keys' slot.)"""
     pipe = client.pipeline(transaction=False)
     for script, keys, args in calls:
         pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)

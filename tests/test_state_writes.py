@@ -1,0 +1,149 @@
+"""The state store's writer on a real Redis and a real Redis Cluster: a write
+the store failed waits, in order, and lands once the store is back; on a
+cluster a master down mid-flush leaves no recorded turn visible without its
+items, and what it could not take follows."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from mitmproxy.test import taddons
+from redis_cluster import start_redis_cluster
+from stateful_responses.state.storage import StorageError
+from stateful_responses.state.storage.redis import RedisStorage
+from stateful_responses.store_emulation.history import History
+from stateful_responses.store_emulation.turns import Tenant
+from stateful_responses.store_emulation.walk import ChainError
+
+TENANTS = 24  # credentials: their records spread over every master
+
+
+class Replica:
+    """The state store and store emulation's history as one proxy runs them,
+    in mitmproxy's test context."""
+
+    def __init__(self, store: str) -> None:
+        # Imported here, as the backend the store connects to is: an earlier test may have reloaded the package.
+        from stateful_responses.options import Options
+        from stateful_responses.settings import Config
+        from stateful_responses.state.addon import StateStore
+        from stateful_responses.store_emulation.history import History
+        from stateful_responses.tenancy import Tenancy
+        from stateful_responses.upstreams import Upstreams
+
+        self.config, self.tenancy = Config(), Tenancy()
+        self.history = History(self.config)
+        self.state = StateStore(self.config, self.tenancy, Upstreams(self.config, self.tenancy), self.history)
+        self.options = Options(self.config)
+        self.store = store
+
+    async def __aenter__(self) -> Replica:
+        self._context = taddons.context(self.options, self.state)
+        self._context.__enter__().configure(self.options, stateful_store=self.store)
+        self.state.running()
+        for _ in range(500):
+            if self.state.up:
+                return self
+            await asyncio.sleep(0.01)
+        raise AssertionError("the store did not connect")
+
+    async def __aexit__(self, *exc) -> None:
+        self.state.done()
+        self._context.__exit__(*exc)
+
+    def tenant(self, n: int) -> Tenant:
+        return Tenant.of(self.tenancy.secret, b"Bearer sk-tenant-%d" % n)
+
+    def answer(self, tenant: Tenant, n: int, previous: str | None) -> list[bytes]:
+        """Record turn ``n`` (continuing ``previous``); the items it adds to the context."""
+        item = {"role": "user", "content": f"turn {n}"}
+        output = [{"type": "message", "id": f"msg_{n}", "role": "assistant", "status": "completed",
+                   "content": [{"type": "output_text", "text": f"answer {n}", "annotations": []}]}]
+        raw_input = [json.dumps(item).encode()]
+        self.history.record(tenant, response={"id": f"resp_{n}", "object": "response", "status": "completed",
+                                              "output": output},
+                            previous_response_id=previous, raw_input=raw_input, stored_upstream=False)
+        return raw_input + [json.dumps(o, separators=(",", ":")).encode() for o in output]
+
+
+async def context_read_cold(storage: RedisStorage, tenant: Tenant, response_id: str) -> list[bytes] | None:
+    """The context another replica expands ``response_id`` to (None: not
+    found); a ChainError other than "not found" would be a turn without its
+    items."""
+    try:
+        return await History().context(tenant, response_id, storage.get)
+    except ChainError as e:
+        assert e.code == "previous_response_not_found", e.code
+        return None
+
+
+async def until(check, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, "not within the time allowed"
+        await asyncio.sleep(0.1)
+
+
+async def test_a_write_the_server_failed_lands_once_it_is_back(redis_server):
+    async with Replica(redis_server.url) as proxy:
+        tenant = proxy.tenant(0)
+        redis_server.stop()
+        context = proxy.answer(tenant, 1, None)
+        assert not await proxy.state.written(proxy.state.flush(), 5)  # the answer goes on; the write waits
+        redis_server.start()  # empty (no persistence): the proxy gives it its secret back, then the write
+        reader = RedisStorage(redis_server.url, timeout=5)
+        try:
+            async def landed() -> bool:
+                return await context_read_cold(reader, tenant, "resp_1") == context
+            await until(landed)
+        finally:
+            await reader.close()
+
+
+async def test_a_master_down_mid_flush_leaves_no_turn_without_its_items_and_the_rest_follows_in_order(tmp_path):
+    # The production default node timeout (15 s): until it passes, the other
+    # masters serve their slots, so a flush is half taken.
+    cluster = start_redis_cluster(tmp_path / "cluster", node_timeout_ms=15000)
+    reader = RedisStorage(cluster.url, timeout=5)
+    try:
+        async with Replica(cluster.url) as proxy:
+            tenants = [proxy.tenant(n) for n in range(TENANTS)]
+            contexts = [proxy.answer(tenant, 1, None) for tenant in tenants]
+            assert await proxy.state.written(proxy.state.flush(), 10)
+
+            cluster.stop_master(1)
+            contexts = [context + proxy.answer(tenant, 2, "resp_1") for tenant, context in zip(tenants, contexts)]
+            assert not await proxy.state.written(proxy.state.flush(), 10)
+            visible = waiting = unreachable = 0
+            for tenant, context in zip(tenants, contexts):
+                try:
+                    seen = await context_read_cold(reader, tenant, "resp_2")
+                except StorageError:
+                    unreachable += 1  # its shard is on the stopped master
+                    continue
+                if seen is None:
+                    waiting += 1  # not written yet (its check could not be read): nothing of it is seen
+                else:
+                    assert seen == context  # written whole: the turn with its items
+                    visible += 1
+            print(f"{TENANTS} tenants, a master down mid-flush: {visible} turns written whole, {waiting} waiting, "
+                  f"{unreachable} on the stopped master")
+            assert visible and unreachable
+
+            # Written while the rest of the flush waits: it lands after it, never before.
+            contexts = [context + proxy.answer(tenant, 3, "resp_2") for tenant, context in zip(tenants, contexts)]
+            proxy.state.flush()
+            cluster.start_master(1)
+
+            async def all_landed() -> bool:
+                try:
+                    return all([await context_read_cold(reader, tenant, "resp_3") == context
+                                for tenant, context in zip(tenants, contexts)])
+                except StorageError:
+                    return False
+            await until(all_landed)
+    finally:
+        await reader.close()
+        cluster.stop()
