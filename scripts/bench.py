@@ -23,6 +23,10 @@
            time over a 10 Mbit/s uplink next to HTTP continuation and plain
            mitmdump, first-event time next to a socket of the client's own,
            memory per held socket
+  storage  the storage layer alone with 1 M forward-mode conversations (20,000
+           with --quick) in each store, a Redis Cluster of three masters
+           included: memory per conversation and per emulated turn, p50 / p99
+           of a request's read and of a turn's flush (scripts/bench_storage.py)
 
 ``scripts/bench [--quick] [--only NAME ...]``; results go to stdout as Markdown.
 """
@@ -57,6 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "addon"), str(ROOT / "tests")]
 
 from bench_storage import latency as storage_latency  # noqa: E402
+from bench_storage import scale as storage_scale  # noqa: E402
 from driver import httpx  # noqa: E402
 from harness import start_mitmdump  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
@@ -1270,9 +1275,14 @@ def bench_websocket(quick: bool) -> list[str]:
     return rows[:-1]
 
 
+def bench_storage(quick: bool) -> list[str]:
+    return asyncio.run(storage_scale(20_000 if quick else 1_000_000, quick))
+
+
 BENCHES = {"bytes": bench_bytes, "uplink": bench_uplink, "tax": bench_tax, "plan": bench_plan, "sse": bench_sse,
            "memory": bench_memory, "stores": bench_stores, "agents": bench_agents, "record": bench_record,
-           "seal": bench_seal, "conversation": bench_conversation, "websocket": bench_websocket}
+           "seal": bench_seal, "conversation": bench_conversation, "websocket": bench_websocket,
+           "storage": bench_storage}
 
 
 def main() -> None:
