@@ -246,8 +246,8 @@ def test_a_slot_resharded_mid_run_by_redis_cli_loses_no_turn(emulator, start_pro
     for n, client in enumerate(clients):
         client.turns([f"tenant {n}: after the move"])
         client.close()
-    print(f"{len(clients)} tenants alternating over 2 proxies: {rounds} rounds of turns while reshard moved "
-          f"{moved_with(slot)} slots from master {source} to {target}")
+    print(f"{len(clients)} tenants alternating over 2 proxies, rounds of turns while reshard moved "
+          f"{moved_with(slot)} slots from master {source} to {target}: {rounds}")
     assert rounds >= 1 and cluster.owner(slot) == target
     records = log(emulator)
     assert all(r["status_code"] == 200 for r in records)
