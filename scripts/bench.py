@@ -24,6 +24,10 @@
            mitmdump, first-event time next to a socket of the client's own,
            memory per held socket and per bridged turn (websocket_bytes,
            websocket_uplink, websocket_first_event, websocket_memory: one part)
+  storage  the storage layer alone with 1 M forward-mode conversations (20,000
+           with --quick) in each store, a Redis Cluster of three masters
+           included: memory per conversation and per emulated turn, p50 / p99
+           of a request's read and of a turn's flush (scripts/bench_storage.py)
 
 ``scripts/bench [--quick] [--only NAME ...]``; results go to stdout as Markdown.
 """
@@ -58,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "addon"), str(ROOT / "tests")]
 
 from bench_storage import latency as storage_latency  # noqa: E402
+from bench_storage import scale as storage_scale  # noqa: E402
 from driver import httpx  # noqa: E402
 from harness import start_mitmdump  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
@@ -1363,9 +1368,14 @@ def bench_websocket(quick: bool) -> list[str]:
     return rows[:-1]
 
 
+def bench_storage(quick: bool) -> list[str]:
+    return asyncio.run(storage_scale(20_000 if quick else 1_000_000, quick))
+
+
 BENCHES = {"bytes": bench_bytes, "uplink": bench_uplink, "tax": bench_tax, "plan": bench_plan, "sse": bench_sse,
            "memory": bench_memory, "stores": bench_stores, "agents": bench_agents, "record": bench_record,
            "seal": bench_seal, "conversation": bench_conversation, "websocket": bench_websocket,
+           "storage": bench_storage,
            **{part.__name__: part for part in (websocket_bytes, websocket_uplink, websocket_first_event,
                                                websocket_memory)}}
 

@@ -236,7 +236,8 @@ class StateStore:
 
     def flush(self) -> asyncio.Future | None:
         """Queue every outbox for the store; the future is done once written
-        (True) or dropped (False: the store is down). None when nothing to write."""
+        (True), or once the store failed (False: the writes wait to be sent
+        again). None when nothing to write."""
         writes = [w for source in self.sources for w in source.take_writes()]
         if not writes or self._queue is None:
             return None
