@@ -895,7 +895,7 @@ async def test_a_slot_migration_mid_run_loses_nothing(own_redis_cluster, make_re
 
 async def test_a_stopped_master_fails_fast_and_once_restarted_has_lost_nothing(own_redis_cluster, make_redis_at):
     cluster = own_redis_cluster
-    storage = make_redis_at(cluster.url, connect_timeout=0.5, timeout=0.5)  # the defaults
+    storage = make_redis_at(cluster.url, connect_timeout=0.5, timeout=2.0)  # the defaults
     records = {shard_key(b"tenant-%d" % n, b"turn"): b"%d" % n for n in range(300)}
     await storage.put("turns", records, ttl=600)
     await storage.put("marks", {b"m": b"1"}, ttl=600)

@@ -12,6 +12,7 @@ one, and is sent again once the store is back, for ``RETRY_FOR`` at most.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -31,6 +32,7 @@ from .storage import ONCE_TTL, Batch, Storage, StorageError, open_storage
 logger = logging.getLogger(__name__)
 
 READ_TIMEOUT = 0.25  # a read on a request's path: past this, plan from memory
+STRICT_READ_TIMEOUT = 2.0  # a read whose miss would fail the request: past this, it goes as the client sent it
 FLUSH_WAIT = 0.25  # an answer's end waits this long at most for its writes
 RETRY_AFTER = 2.0  # between attempts to reach a store that failed
 MARKS_EVERY = 5.0  # how often marks set by other processes are read
@@ -67,10 +69,12 @@ class StateStore:
         self.sources: tuple[Remembers, ...] = (upstreams, *others)
         self.storage: Storage | None = None
         self.up = False  # connected, secret loaded: reads and writes go to the store
+        self._opened = False  # it was up once: the store may answer a read while it is taken for down
         self._queue: asyncio.Queue[tuple[list[Write], asyncio.Future | None]] | None = None
         self._tasks: list[asyncio.Task] = []
         self._warned = False  # one warning per outage
         self._attempted: asyncio.Event | None = None  # the first connection attempt is over
+        self._answered: asyncio.Event | None = None  # a store taken for down answered a read: reconnect now
         self._unwritten: deque[Unwritten] = deque()  # oldest first: the writer's next, then those behind it
         self._gave_up = False  # writes were given up in this outage (and a warning said so)
 
@@ -90,6 +94,7 @@ class StateStore:
         self._stop()
         loop = asyncio.get_running_loop()
         self._attempted = asyncio.Event()
+        self._answered = asyncio.Event()
         self._queue = asyncio.Queue()
         self._tasks = [loop.create_task(self._keep_connected()), loop.create_task(self._write_loop())]
 
@@ -100,7 +105,7 @@ class StateStore:
         for task in self._tasks:
             task.cancel()
         self._tasks = []
-        storage, self.storage, self.up = self.storage, None, False
+        storage, self.storage, self.up, self._opened = self.storage, None, False, False
         if storage is not None:
             if unwritten:
                 _drain(storage.name, self.config.settings, self._limits(), unwritten)
@@ -139,7 +144,7 @@ class StateStore:
                     await self.storage.open()
                     await self._share_secret(self.storage)
                     self.upstreams.load(await self.storage.scan(MARKS))
-                    self.up = True
+                    self.up = self._opened = True
                     self._recovered()
                     if self._unwritten and self._queue is not None:
                         self._queue.put_nowait(([], None))  # what waits goes now, not with the next answer
@@ -150,7 +155,11 @@ class StateStore:
                 self._failed(e)
             if self._attempted is not None:
                 self._attempted.set()
-            await asyncio.sleep(MARKS_EVERY if self.up else RETRY_AFTER)
+            answered = self._answered
+            assert answered is not None
+            answered.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(answered.wait(), MARKS_EVERY if self.up else RETRY_AFTER)
 
     async def _share_secret(self, storage: Storage) -> None:
         """Take the store's secret, giving it ours back if it lost its own (a
@@ -181,7 +190,11 @@ class StateStore:
 
     def _worked(self) -> None:
         """A read or write went through: an outage is over only then (a full
-        disk still connects, and fails at the next write)."""
+        disk still connects, and fails at the next write). A store taken for
+        down that answered a read is connected again at once, so that the
+        writes waiting for it go too."""
+        if not self.up and self._answered is not None:
+            self._answered.set()
         if self._warned and self.storage is not None:
             logger.warning("stateful-responses: state store %s is back", self.storage.name)
             self._warned = self._gave_up = False
@@ -220,13 +233,17 @@ class StateStore:
 
     async def get_strict(self, table: str, keys: Sequence[bytes]) -> dict[bytes, bytes]:
         """Records among ``keys``; StorageError when the store cannot say
-        (down or slow), so that "not found" is never a guess."""
+        (down or slow), so that "not found" is never a guess. Without them
+        the client's request cannot be answered as it means (the chain or the
+        conversation it names), so the store is asked even while a slow read
+        elsewhere has it taken for down, and given ``STRICT_READ_TIMEOUT``: a
+        store that is merely slow (a loaded machine) still answers."""
         if not keys:
             return {}
-        if not self.up or self.storage is None:
+        if self.storage is None or not self._opened:
             raise StorageError("the state store is unavailable")
         try:
-            records = await asyncio.wait_for(self.storage.get(table, keys), READ_TIMEOUT)
+            records = await asyncio.wait_for(self.storage.get(table, keys), STRICT_READ_TIMEOUT)
         except (StorageError, asyncio.TimeoutError) as e:
             error = e if isinstance(e, StorageError) else StorageError("read timed out")
             self._failed(error)

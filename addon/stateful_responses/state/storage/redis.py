@@ -327,7 +327,7 @@ class RedisStorage:
         limits: Mapping[str, int] | None = None,
         *,
         connect_timeout: float = 0.5,
-        timeout: float = 0.5,
+        timeout: float = 2.0,  # a reply's wait: the request path's reads set shorter bounds of their own
         prefix: str = "stateful-responses",
         default_limit: int = DEFAULT_TABLE_LIMIT,
     ):
