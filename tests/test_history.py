@@ -401,3 +401,29 @@ async def test_a_seal_key_outside_the_store_is_needed_to_open_anything():
     await chain_of(recorder, records, keyed, 2)
     assert await History().turn(Tenant.of(SECRET, b""), "resp_1", records.get) is None
     assert await History().turn(Tenant.of(SECRET, b"", seal_key=b"k" * 32), "resp_1", records.get) is not None
+
+
+def test_memory_keeps_recorded_turns_and_items_within_their_bytes():
+    """Clients inline files: a cache counted in entries alone could hold gigabytes."""
+    from stateful_responses.bounded import Weighed
+
+    cache = Weighed(100, max_bytes=10)
+    cache.put("a", b"12345")
+    cache.put("b", b"1234")
+    cache.put("a", b"123")  # replaced, not counted twice
+    assert cache.bytes == 7 and list(cache) == ["b", "a"]
+    cache.put("c", b"1234")  # over 10 bytes: the least recently used goes
+    assert list(cache) == ["a", "c"] and cache.bytes == 7
+    cache.put("huge", b"x" * 11)  # heavier than the whole bound: not kept, and the others stay
+    assert list(cache) == ["a", "c"] and cache.bytes == 7
+    assert cache.pop("a") == b"123" and cache.pop("missing") is None and cache.bytes == 4
+    cache.clear()
+    assert cache.bytes == 0
+
+    history = History()
+    big = "x" * (1024 * 1024)
+    for n in range(100):  # 100 turns of a 1 MiB item each: memory keeps at most 64 MiB of them
+        history.record(ALICE, response=answer(n), previous_response_id=None, raw_input=[user(f"{n} {big}")],
+                       stored_upstream=True)
+    assert history.items.bytes <= 64 * 1024 * 1024 and sum(len(v) for v in history.items.values()) == history.items.bytes
+    assert history.turns.bytes <= 64 * 1024 * 1024

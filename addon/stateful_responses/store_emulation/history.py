@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 from blake3 import blake3
 
-from ..bounded import Bounded
+from ..bounded import Bounded, Weighed
 from ..items import canonical_json
 from ..settings import Config
 from ..state.outbox import Outbox, Write
@@ -45,13 +45,22 @@ class Turn:
 
 
 _CONFLICT = object()  # memory's mark of an id recorded with two contents
+MEMORY_BYTES = 64 * 1024 * 1024  # of recorded turns, and of items, kept in memory
+
+
+def _weight(known: Turn | bytes | object) -> int:
+    """What a turn in memory weighs: its sealed record (the body it opens to is as large)."""
+    if isinstance(known, Turn):
+        return 2 * len(known.header.sealed)
+    return len(known) if isinstance(known, bytes) else 0
 
 
 @dataclass
 class History:
     config: Config = field(default_factory=Config)
-    turns: Bounded = field(default_factory=lambda: Bounded(4096), repr=False)  # turn key -> Turn, or its record
-    items: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)  # item key -> item JSON
+    # turn key -> Turn, or its record; item key -> item JSON: what clients send may be large (files inlined)
+    turns: Weighed = field(default_factory=lambda: Weighed(4096, MEMORY_BYTES, _weight), repr=False)
+    items: Weighed = field(default_factory=lambda: Weighed(65536, MEMORY_BYTES), repr=False)
     inputs: Bounded = field(default_factory=lambda: Bounded(4096), repr=False)  # (tenant, input digest) -> id
     # (tenant, response id) -> (chain depth, the chain's item keys): an agent
     # loop's next turn is expanded without walking its chain again.
