@@ -288,6 +288,24 @@ async def test_a_long_log_is_read_a_part_at_a_time(storage, monkeypatch):
     assert max(asked[1:]) == 4 and sum(asked[1:]) == 12 - 2
 
 
+async def with_turns_given(work):
+    """``work``'s result, and how many turns another task got while it ran
+    (the memory store answers without yielding: each turn is one it gave)."""
+    turns, done = 0, False
+
+    async def other_flow() -> None:
+        nonlocal turns
+        while not done:
+            turns += 1
+            await asyncio.sleep(0)
+
+    running = asyncio.create_task(other_flow())
+    result = await work
+    done = True
+    await running
+    return result, turns
+
+
 async def test_a_long_log_is_replayed_a_part_at_a_time_letting_other_flows_run_between(storage, monkeypatch):
     """The memory store answers without yielding: every turn another task
     gets during the read is one the replay gave it."""
@@ -297,19 +315,9 @@ async def test_a_long_log_is_replayed_a_part_at_a_time_letting_other_flows_run_b
     for n in range(1, 12):
         await writer.call("add_items", conversation_id=conversation_id,
                           body={"items": [{"role": "user", "content": str(n)}]})
-    turns, done = [], False
-
-    async def other_flow() -> None:
-        while not done:
-            turns.append(len(turns))
-            await asyncio.sleep(0)
-
-    running = asyncio.create_task(other_flow())
-    conversation = await Replica(storage).find(conversation_id)
-    done = True
-    await running
+    conversation, turns = await with_turns_given(Replica(storage).find(conversation_id))
     assert [json.loads(item.raw)["content"][0]["text"] for item in conversation.items] == [str(n) for n in range(12)]
-    assert len(turns) >= 12 // 4  # one turn at least before each part
+    assert turns >= 12 // 4  # one turn at least before each part
 
 
 async def test_a_removed_item_id_added_again_stays_and_removals_replay_in_the_stores_order(storage):
@@ -405,18 +413,8 @@ async def test_renewing_a_long_log_lets_other_flows_run_between_its_parts(storag
                            body={"items": [{"role": "user", "content": str(n)}]})
     now[0] += replica.conversations.config.ttl / 10 + 1  # the renewal is due
     conversation = await replica.find(conversation_id)
-    turns, done = [], False
-
-    async def other_flow() -> None:
-        while not done:
-            turns.append(len(turns))
-            await asyncio.sleep(0)
-
-    running = asyncio.create_task(other_flow())
-    await replica.conversations.renew(conversation)
-    done = True
-    await running
+    _, turns = await with_turns_given(replica.conversations.renew(conversation))
     key = ALICE.conversation_key(conversation_id)
     assert {w.key for w in replica.conversations.take_writes() if w.touch} == {key, *(log_entry(key, n)
                                                                                      for n in range(6))}
-    assert len(turns) >= 6 // 2 - 1  # a turn between each two parts
+    assert turns >= 6 // 2 - 1  # a turn between each two parts

@@ -423,6 +423,22 @@ def test_reasoning_named_by_id_is_dropped_from_an_expansion_and_encrypted_reason
     assert dropped[1][0]["source"] == "proxy" and dropped[1][0]["reason"].startswith("1 recorded reasoning items")
 
 
+def read_turn(confdir: Path, key: str, response_id: str, seal_key: bytes) -> object:
+    """The turn as the store alone opens it, with ``seal_key`` (None: it does not open)."""
+
+    async def read() -> object:
+        storage = SQLiteStorage(str(confdir / "stateful-responses.sqlite3"))
+        await storage.open()
+        try:
+            secret, _ = await storage.keyring()
+            return await History(Config()).turn(Tenant.of(secret, credential(key), seal_key=seal_key), response_id,
+                                                storage.get)
+        finally:
+            await storage.close()
+
+    return asyncio.run(read())
+
+
 def test_a_seal_key_outside_the_store_protects_tenants_without_a_credential(emulator, start_proxy, tmp_path):
     key_file = tmp_path / "seal.key"
     key_file.write_bytes(b"k" * 32)
@@ -434,20 +450,8 @@ def test_a_seal_key_outside_the_store_protects_tenants_without_a_credential(emul
     [answer] = chain_with_key(proxy.url, placeholder, ["a secret of the keyless tenant"])
     assert "not protected at rest" not in proxy.stop()
 
-    async def read(seal_key: bytes) -> object:
-        storage = SQLiteStorage(str(confdir / "stateful-responses.sqlite3"))
-        await storage.open()
-        try:
-            secret, _ = await storage.keyring()
-            credential = credential_material(Request("POST", "http://x/v1/responses",
-                                                     {"authorization": f"Bearer {placeholder}"}, b""))
-            tenant = Tenant.of(secret, credential, seal_key=seal_key)
-            return await History(Config()).turn(tenant, answer["id"], storage.get)
-        finally:
-            await storage.close()
-
-    assert asyncio.run(read(b"")) is None  # the store and the placeholder key alone open nothing
-    assert asyncio.run(read(b"k" * 32)) is not None
+    assert read_turn(confdir, placeholder, answer["id"], b"") is None  # the store and the placeholder alone open nothing
+    assert read_turn(confdir, placeholder, answer["id"], b"k" * 32) is not None
     unprotected = start_proxy(emulator.url, "--set", "stateful_emulate=always")
     deadline = time.monotonic() + 10  # the log may come a moment after the proxy listens
     while "not protected at rest" not in unprotected.output() and time.monotonic() < deadline:
@@ -464,18 +468,8 @@ def test_a_seal_key_from_the_environment_protects_tenants_without_a_credential(e
     [answer] = chain_with_key(proxy.url, "EMPTY", ["a secret of the keyless tenant"])
     assert "not protected at rest" not in proxy.stop()
 
-    async def read(seal_key: bytes) -> object:
-        storage = SQLiteStorage(str(confdir / "stateful-responses.sqlite3"))
-        await storage.open()
-        try:
-            secret, _ = await storage.keyring()
-            return await History(Config()).turn(Tenant.of(secret, credential("EMPTY"), seal_key=seal_key),
-                                                answer["id"], storage.get)
-        finally:
-            await storage.close()
-
-    assert asyncio.run(read(b"")) is None  # the store and the placeholder key alone open nothing
-    assert asyncio.run(read(b"e" * 32)) is not None
+    assert read_turn(confdir, "EMPTY", answer["id"], b"") is None  # the store and the placeholder alone open nothing
+    assert read_turn(confdir, "EMPTY", answer["id"], b"e" * 32) is not None
 
 
 def test_a_seal_key_too_short_to_protect_anything_stops_mitmdump(emulator, tmp_path):

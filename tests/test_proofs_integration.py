@@ -29,6 +29,15 @@ def sent_previous(log: list[dict]) -> list[bool]:
     return [r["previous_response_id"] is not None for r in log]
 
 
+def full_history_turns(proxy, emulator, stream: bool) -> tuple[Conversation, list[dict]]:
+    """A full-history client's turns through ``proxy``; what the upstream was asked to create."""
+    conv = Conversation(proxy.url, stream=stream)
+    for text in TEXTS:
+        conv.turn(text)
+    conv.close()
+    return conv, creates(emulator)
+
+
 def retrieve_fault(kind: str, **fault) -> dict:
     return {"kind": kind, "endpoint": "retrieve", **fault}
 
@@ -37,11 +46,7 @@ def retrieve_fault(kind: str, **fault) -> dict:
 def test_a_proof_answered_5xx_leaves_the_upstream_unproven_and_full_history_goes(emulator, start_proxy, stream):
     emulator.model.control({"fail_next": [retrieve_fault("status", status=503), retrieve_fault("status", status=503)]})
     proxy = start_proxy(emulator.url)
-    conv = Conversation(proxy.url, stream=stream)
-    for text in TEXTS:
-        conv.turn(text)
-    conv.close()
-    log = creates(emulator)
+    conv, log = full_history_turns(proxy, emulator, stream)
     assert_context_preserved(conv.sent, log)
     assert sent_previous(log) == [False] * 5  # unproven: nothing continued
     assert emulator.model.faults.next == [retrieve_fault("status", status=503)]  # one GET: the next waits 30 s
@@ -95,11 +100,7 @@ def test_an_upstream_that_ignores_the_field_unseen_by_its_echo_costs_one_turn_th
         emulator, start_proxy, stream, faults, said):
     emulator.model.control(faults)
     proxy = start_proxy(emulator.url)
-    conv = Conversation(proxy.url, stream=stream)
-    for text in TEXTS:
-        conv.turn(text)
-    conv.close()
-    log = creates(emulator)
+    conv, log = full_history_turns(proxy, emulator, stream)
     assert sent_previous(log) == [False, True, False, False, False]
     # the one continued turn is answered from the items sent alone (docs/reliability.md, known limits) ...
     assert drop_nulls(log[1]["context"]) == drop_nulls(expand_input(conv.sent[1].body["input"][-1:]))

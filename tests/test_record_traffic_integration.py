@@ -423,21 +423,30 @@ def test_identical_responses_openings_are_told_apart_by_the_ids_their_clients_ec
     assert_one_linked_chain([two_1, two_2])
 
 
-def test_identical_chat_openings_go_on_from_the_turns_still_at_their_tips(emulator, start_proxy, tmp_path):
-    record_file = tmp_path / "records.jsonl"
-    proxy = start_proxy(emulator.url, "--set", f"stateful_record_file={record_file}")
-    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-chat", max_retries=0,
-                           http_client=httpx.Client(trust_env=False))
-    histories: list[list] = [[{"role": "user", "content": "hello"}], [{"role": "user", "content": "hello"}]]
+def interleave_identical_openings(record_file, opening, answered, said) -> None:
+    """Two conversations open alike ("hello", the same answer) and go on in
+    turn: each keeps its own chain. ``answered(history)`` is the model's turn
+    as the client appends it, ``said(text)`` the user's."""
+    histories = [[opening()], [opening()]]
     for n, text in ((0, "one"), (1, "two"), (0, "one again"), (1, "two again")):
         history = histories[n]
-        history += [chat_turn(client, history, streamed=False).message, {"role": "user", "content": text}]
-    client.close()
+        history += [answered(history), said(text)]
     wait_for_lines(record_file, 4)
     one_1, two_1, one_2, two_2 = records(record_file)
     assert one_1["chainId"] != two_1["chainId"]
     assert_one_linked_chain([one_1, one_2])
     assert_one_linked_chain([two_1, two_2])
+
+
+def test_identical_chat_openings_go_on_from_the_turns_still_at_their_tips(emulator, start_proxy, tmp_path):
+    record_file = tmp_path / "records.jsonl"
+    proxy = start_proxy(emulator.url, "--set", f"stateful_record_file={record_file}")
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-chat", max_retries=0,
+                           http_client=httpx.Client(trust_env=False))
+    with client:
+        interleave_identical_openings(record_file, lambda: {"role": "user", "content": "hello"},
+                                      lambda history: chat_turn(client, history, streamed=False).message,
+                                      lambda text: {"role": "user", "content": text})
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["json", "sse"])
@@ -447,17 +456,11 @@ def test_identical_anthropic_openings_go_on_from_the_turns_still_at_their_tips(e
     proxy = start_proxy(emulator.url, "--set", f"stateful_record_file={record_file}")
     client = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant", max_retries=0,
                                  http_client=httpx.Client(trust_env=False))
-    histories: list[list] = [[{"role": "user", "content": "hello"}], [{"role": "user", "content": "hello"}]]
-    for n, text in ((0, "one"), (1, "two"), (0, "one again"), (1, "two again")):
-        history = histories[n]
-        history += [{"role": "assistant", "content": anthropic_turn(client, history, streamed).content},
-                    {"role": "user", "content": text}]
-    client.close()
-    wait_for_lines(record_file, 4)
-    one_1, two_1, one_2, two_2 = records(record_file)
-    assert one_1["chainId"] != two_1["chainId"]
-    assert_one_linked_chain([one_1, one_2])
-    assert_one_linked_chain([two_1, two_2])
+    with client:
+        interleave_identical_openings(
+            record_file, lambda: {"role": "user", "content": "hello"},
+            lambda history: {"role": "assistant", "content": anthropic_turn(client, history, streamed).content},
+            lambda text: {"role": "user", "content": text})
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["json", "sse"])
@@ -467,18 +470,15 @@ def test_identical_gemini_openings_go_on_from_the_turns_still_at_their_tips(emul
     proxy = start_proxy(emulator.url, "--set", f"stateful_record_file={record_file}")
     client = genai.Client(api_key="g-key", http_options=genai_types.HttpOptions(
         base_url=proxy.url, retry_options=genai_types.HttpRetryOptions(attempts=1)))
-    histories: list[list] = [[genai_types.Content(role="user", parts=[genai_types.Part(text="hello")])]
-                             for _ in range(2)]
-    for n, text in ((0, "one"), (1, "two"), (0, "one again"), (1, "two again")):
-        history = histories[n]
-        history += [gemini_turn(client, history, streamed),
-                    genai_types.Content(role="user", parts=[genai_types.Part(text=text)])]
-    client.close()
-    wait_for_lines(record_file, 4)
-    one_1, two_1, one_2, two_2 = records(record_file)
-    assert one_1["chainId"] != two_1["chainId"]
-    assert_one_linked_chain([one_1, one_2])
-    assert_one_linked_chain([two_1, two_2])
+
+    def said(text: str) -> genai_types.Content:
+        return genai_types.Content(role="user", parts=[genai_types.Part(text=text)])
+
+    try:
+        interleave_identical_openings(record_file, lambda: said("hello"),
+                                      lambda history: gemini_turn(client, history, streamed), said)
+    finally:
+        client.close()
 
 
 # -- keyed digests --------------------------------------------------------------------
