@@ -450,7 +450,7 @@ def test_a_seal_key_outside_the_store_protects_tenants_without_a_credential(emul
     [answer] = chain_with_key(proxy.url, placeholder, ["a secret of the keyless tenant"])
     assert "not protected at rest" not in proxy.stop()
 
-    assert read_turn(confdir, placeholder, answer["id"], b"") is None  # the store and the placeholder alone open nothing
+    assert read_turn(confdir, placeholder, answer["id"], b"") is None  # the store and the key alone open nothing
     assert read_turn(confdir, placeholder, answer["id"], b"k" * 32) is not None
     unprotected = start_proxy(emulator.url, "--set", "stateful_emulate=always")
     deadline = time.monotonic() + 10  # the log may come a moment after the proxy listens

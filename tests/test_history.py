@@ -425,5 +425,6 @@ def test_memory_keeps_recorded_turns_and_items_within_their_bytes():
     for n in range(100):  # 100 turns of a 1 MiB item each: memory keeps at most 64 MiB of them
         history.record(ALICE, response=answer(n), previous_response_id=None, raw_input=[user(f"{n} {big}")],
                        stored_upstream=True)
-    assert history.items.bytes <= 64 * 1024 * 1024 and sum(len(v) for v in history.items.values()) == history.items.bytes
+    assert history.items.bytes <= 64 * 1024 * 1024
+    assert sum(len(v) for v in history.items.values()) == history.items.bytes
     assert history.turns.bytes <= 64 * 1024 * 1024

@@ -69,7 +69,8 @@ def echo_verdict(sent_id: str, echoed: object, answer: Mapping, sent: bytes, ite
 def _billed_more_than_sent(answer: Mapping, sent: bytes, items_sent: int) -> bool:
     usage = answer.get("usage")
     tokens = usage.get("input_tokens") if isinstance(usage, dict) else None
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or any(marker in sent for marker in _TOKENS_WITHOUT_BYTES):
+    if not isinstance(tokens, int) or isinstance(tokens, bool) \
+            or any(marker in sent for marker in _TOKENS_WITHOUT_BYTES):
         return False
     return tokens > len(sent) + _TEMPLATE_TOKENS + _TEMPLATE_TOKENS_PER_ITEM * items_sent
 

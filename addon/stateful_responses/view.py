@@ -38,7 +38,8 @@ def _record_lines(flow) -> list[str]:
 def _bridged_lines(bridged: dict) -> list[str]:
     """What went over the upstream WebSocket (the body shown is the client's: it went as a response.create)."""
     if bridged.get("transport") != "websocket":
-        return [f"transport: HTTP: the upstream's WebSocket could not answer it ({'; '.join(bridged.get('retries') or [])})"]
+        retries = "; ".join(bridged.get("retries") or [])
+        return [f"transport: HTTP: the upstream's WebSocket could not answer it ({retries})"]
     lines = [f"transport: the upstream's WebSocket, {bridged.get('action')}"]
     if bridged.get("previous_response_id"):
         lines.append(f"previous_response_id: {bridged['previous_response_id']} (the socket's latest response)")

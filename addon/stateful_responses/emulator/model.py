@@ -109,7 +109,8 @@ class Faults:
 
 
 SETTABLE = ("stateless", "ignore_previous", "conversations", "echo_store", "echo_previous", "input_items",
-            "refuse_store", "forget_probability", "slow_ms", "think_ms", "gzip", "background_delay_ms", "read_rate_bytes_per_s", "websocket", "ws_lifetime_s")
+            "refuse_store", "forget_probability", "slow_ms", "think_ms", "gzip", "background_delay_ms",
+            "read_rate_bytes_per_s", "websocket", "ws_lifetime_s")
 
 
 _SOCKET_NUMBERS = itertools.count(1)

@@ -116,7 +116,8 @@ class ForwardMode:
 
     def _may_rewrite(self, req: http.Request) -> bool:
         s = self.planner.settings
-        return s.enabled and req.method.upper() == "POST" and upstream_of(req.url) is not None and s.url_matches(req.url)
+        return (s.enabled and req.method.upper() == "POST" and upstream_of(req.url) is not None
+                and s.url_matches(req.url))
 
     @staticmethod
     def _would_stream(req: http.Request) -> bool:

@@ -170,7 +170,8 @@ class Planner:
             return Plan("pass", reading.reason, reading.upstream, reading.model)
         s = self.settings
         upstream, model, scope, label = reading.upstream, reading.model, reading.scope, reading.label
-        body, client_store, raw_items, digests = reading.fields, reading.client_store, reading.raw_items, reading.digests
+        body, client_store = reading.fields, reading.client_store
+        raw_items, digests = reading.raw_items, reading.digests
         credential = reading.credential
         if reading.previous is not None:
             plan = Plan("pass", "client sent previous_response_id", upstream, model, scope, label)
@@ -399,7 +400,8 @@ class Planner:
                 self._outbox.append(Write(REFS, key, item_digest_, self.config.ttl))
         length, expires = plan.items_total + len(output), self.config.clock() + self.config.ttl
         self.store.remember(digest, length, rid, plan.parent, plan.scope, expires)
-        self._outbox.append(Write(ENTRIES, digest, encode_entry(StoredEntry(rid, length, plan.scope, expires)), self.config.ttl))
+        entry = encode_entry(StoredEntry(rid, length, plan.scope, expires))
+        self._outbox.append(Write(ENTRIES, digest, entry, self.config.ttl))
         return Outcome("advanced", f"stores {plan.items_total + len(output)} items", rid)
 
     def _observe(self, plan: Plan, status_code: int, response: Any) -> Outcome:

@@ -57,7 +57,6 @@ from ..flows import (
     keep_end_for_hooks,
     request_of,
 )
-from ..items import normalize_item, strict_loads
 from ..proofs import Proofs
 from ..request_reader import Reader, Reading, Skip, splice
 from ..replays import Replays
@@ -82,7 +81,7 @@ from .conversations import (
     route,
     too_large,
 )
-from .history import History, Turn, listed_items, response_json, string_input_item
+from .history import History, Turn, listed_items, response_json, string_input_item, without_unreadable_reasoning
 from .turns import Tenant, seal_key
 from .walk import ChainError
 
@@ -146,49 +145,8 @@ def _names_the_refusal(body: bytes, response_id: str) -> bool:
     return "previous_response" in text or "previous response" in text or response_id.lower() in text
 
 
-def _reference_id(raw: bytes) -> str | None:
-    """The id an ``item_reference`` item names (typed, or an id alone), else None."""
-    if b'"id"' not in raw or (b"item_reference" not in raw and b'"type"' in raw) or b'"role"' in raw:
-        return None
-    try:
-        item = normalize_item(strict_loads(raw))
-    except (ValueError, RecursionError):
-        return None
-    if item.get("type") == "item_reference" and item.keys() == {"type", "id"} and isinstance(item["id"], str):
-        return item["id"]
-    return None
-
-
-def _without_unreadable_reasoning(items: list[bytes]) -> tuple[list[bytes], int]:
-    """Items without the reasoning items an upstream that persists nothing
-    cannot read: those named by id only (OpenAI answers 404 "Items are not
-    persisted when `store` is set to false"). Reasoning carried with its
-    ``encrypted_content`` travels; how many were dropped."""
-    kept = [raw for raw in items
-            if b'"reasoning"' not in raw or b'"encrypted_content"' in raw or not _is_reasoning_by_id(raw)]
-    return kept, len(items) - len(kept)
-
-
 def tenant_of(tenancy: Tenancy, credential: bytes) -> Tenant:
     return Tenant.of(tenancy.secret, credential, seal_key=tenancy.seal_key, older_secrets=tenancy.older_secrets)
-
-
-async def referenced(history: History, tenant: Tenant, items: list[bytes], get) -> list[bytes]:
-    """``items`` with every ``item_reference`` to a recorded item replaced
-    by that item; references the record does not know stay."""
-    ids = {i: ref for i, raw in enumerate(items) if (ref := _reference_id(raw)) is not None}
-    if not ids:
-        return items
-    found = await history.referenced(tenant, list(ids.values()), get)
-    return [found.get(ids[i], raw) if i in ids else raw for i, raw in enumerate(items)]
-
-
-def _is_reasoning_by_id(raw: bytes) -> bool:
-    try:
-        item = json.loads(raw)
-    except ValueError:
-        return False
-    return isinstance(item, dict) and item.get("type") == "reasoning" and not item.get("encrypted_content")
 
 
 class StoreEmulation:
@@ -304,7 +262,7 @@ class StoreEmulation:
     async def _expand(self, reading: Reading, record: _Flow) -> tuple[bytes, int]:
         """The client's body with the chain its previous_response_id names in
         front of its input, that field dropped, every other byte its own; how
-        many reasoning items were dropped (see ``_without_unreadable_reasoning``)."""
+        many reasoning items were dropped (see ``history.without_unreadable_reasoning``)."""
         assert record.previous_response_id is not None
         get = self.state.get_strict
         try:
@@ -319,13 +277,13 @@ class StoreEmulation:
         items = await self._referenced(record.tenant, context + record.raw_input)
         dropped = 0
         if not (self.upstreams.has("reads_back", record.scope) and reading.client_store is not False):
-            items, dropped = _without_unreadable_reasoning(items)
+            items, dropped = without_unreadable_reasoning(items)
         body = splice(record.client.raw_content or b"", reading.fields,
                       {"input": b"[" + b",".join(items) + b"]", "previous_response_id": None})
         return body, dropped
 
     async def _referenced(self, tenant: Tenant, items: list[bytes]) -> list[bytes]:
-        return await referenced(self.history, tenant, items, self.state.get_strict)
+        return await self.history.resolve_references(tenant, items, self.state.get_strict)
 
     async def _resolve_references(self, flow: http.HTTPFlow, reading: Reading, record: _Flow) -> None:
         try:
@@ -840,7 +798,8 @@ class ConversationEmulation:
             return
         raw_input = reading.raw_items if reading.raw_items is not None \
             else [string_input_item(bytes(reading.fields["input"]))]
-        record.listed_input = listed(await referenced(self.history, record.tenant, raw_input, self.state.get_strict))
+        resolved = await self.history.resolve_references(record.tenant, raw_input, self.state.get_strict)
+        record.listed_input = listed(resolved)
         record.expanded, dropped = await self._expansion(reading, client, record)
         await self.conversations.renew(conversation)
         self.state.flush()
@@ -856,13 +815,13 @@ class ConversationEmulation:
         """The client's body with the conversation's items in front of its
         input and without ``conversation``, every other byte its own; how many
         reasoning items an upstream that persists nothing could not read were
-        left out (see ``_without_unreadable_reasoning``)."""
+        left out (see ``history.without_unreadable_reasoning``)."""
         assert record.conversation is not None
         await self.proofs.settled(record.scope)
         items = [item.raw for item in record.conversation.items]
         dropped = 0
         if not (self.upstreams.has("reads_back", record.scope) and reading.client_store is not False):
-            items, dropped = _without_unreadable_reasoning(items)
+            items, dropped = without_unreadable_reasoning(items)
         body = splice(client.raw_content or b"", reading.fields,
                       {"input": b"[" + b",".join(items + record.listed_input) + b"]", "conversation": None})
         return body, dropped

@@ -16,7 +16,7 @@ import msgspec
 from blake3 import blake3
 
 from ..bounded import Bounded, Weighed
-from ..items import canonical_json
+from ..items import canonical_json, normalize_item, strict_loads
 from ..settings import Config
 from ..state.outbox import Outbox, Write
 from .turns import DEPENDENTS, ITEM_IDS, ITEMS, KEY_SIZE, TURNS, Tenant, TurnBody, TurnHeader, conflict, header_of
@@ -367,6 +367,15 @@ class History:
         keys, _ = await self._input_keys(tenant, turn, get, turn.body.response_id)
         return await self._items(tenant, keys, get, turn.body.response_id)
 
+    async def resolve_references(self, tenant: Tenant, items: list[bytes], get: GetRecords) -> list[bytes]:
+        """``items`` with every ``item_reference`` to a recorded item replaced
+        by that item; references the record does not know stay."""
+        ids = {i: ref for i, raw in enumerate(items) if (ref := reference_id(raw)) is not None}
+        if not ids:
+            return items
+        found = await self.referenced(tenant, list(ids.values()), get)
+        return [found.get(ids[i], raw) if i in ids else raw for i, raw in enumerate(items)]
+
     async def referenced(self, tenant: Tenant, item_ids: Sequence[str], get: GetRecords) -> dict[str, bytes]:
         """The recorded items ``item_ids`` name (an ``item_reference``): outputs,
         and input items that carried an id (the one recorded last, when several
@@ -502,3 +511,34 @@ def listed_item(item: dict, new_id: Callable[[str], str]) -> dict:
     if kind in _WITH_STATUS and entry.get("status") is None:
         entry["status"] = "completed"
     return entry
+
+
+def reference_id(raw: bytes) -> str | None:
+    """The id an ``item_reference`` item names (typed, or an id alone), else None."""
+    if b'"id"' not in raw or (b"item_reference" not in raw and b'"type"' in raw) or b'"role"' in raw:
+        return None
+    try:
+        item = normalize_item(strict_loads(raw))
+    except (ValueError, RecursionError):
+        return None
+    if item.get("type") == "item_reference" and item.keys() == {"type", "id"} and isinstance(item["id"], str):
+        return item["id"]
+    return None
+
+
+def without_unreadable_reasoning(items: list[bytes]) -> tuple[list[bytes], int]:
+    """Items without the reasoning items an upstream that persists nothing
+    cannot read: those named by id only (OpenAI answers 404 "Items are not
+    persisted when `store` is set to false"). Reasoning carried with its
+    ``encrypted_content`` travels; how many were dropped."""
+    kept = [raw for raw in items
+            if b'"reasoning"' not in raw or b'"encrypted_content"' in raw or not _is_reasoning_by_id(raw)]
+    return kept, len(items) - len(kept)
+
+
+def _is_reasoning_by_id(raw: bytes) -> bool:
+    try:
+        item = json.loads(raw)
+    except ValueError:
+        return False
+    return isinstance(item, dict) and item.get("type") == "reasoning" and not item.get("encrypted_content")
