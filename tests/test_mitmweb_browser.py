@@ -59,6 +59,8 @@ def test_flow_list_and_view_show_the_decision(mitmweb):
             rows = page.locator(".flow-table tbody tr.has-request")
             # locator waits, not wait_for_function: mitmweb's CSP forbids the eval that needs
             rows.nth(len(conv.sent)).wait_for(timeout=20_000)  # the client's, and the proof's GET
+            # the columns the options name come with the options, which may arrive after the flows
+            page.locator(".flow-table td.col-comment", has_text="continued from resp_").first.wait_for(timeout=20_000)
             # the flow list: the addon's marks and comments tell continued from full
             table = page.locator(".flow-table").inner_text()
             assert "full: 1 items (no stored prefix)" in table
@@ -96,6 +98,9 @@ def test_a_bridged_flow_shows_the_real_upstream_and_what_went_over_the_socket(mi
             page.goto(web_url)
             rows = page.locator(".flow-table tbody tr.has-request")
             rows.nth(len(conv.sent) - 1).wait_for(timeout=20_000)
+            # the columns the options name come with the options, which may arrive after the flows
+            page.locator(".flow-table td.col-comment", has_text="ws: continued from resp_").first.wait_for(
+                timeout=20_000)
             table = page.locator(".flow-table").inner_text()
             assert table.count("ws: continued from resp_") == len(conv.sent) - 1 and "ws: full: 1 items" in table
             assert f":{emulator.port}/v1/responses" in table and "stateful-websocket" not in table
