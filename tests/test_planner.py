@@ -503,6 +503,17 @@ def test_an_echo_in_another_spelling_is_honoured_when_more_was_billed_than_sent(
         == "advanced"  # the scope showed it honours the field: other spellings are its ids
 
 
+def test_an_answer_echoing_nothing_is_built_upon_once_a_listing_showed_it_was_made_from_the_chain():
+    planner, plan, nxt = a_proven_continuation()
+    answer = _answer("resp_2", store=True)  # no previous_response_id at all
+    assert planner.settle(plan, 200, answer).kind == "unverified"
+    planner.upstreams.mark("honours_previous", plan.scope)  # what the listing of its input items showed
+    assert planner.settle(plan, 200, answer).kind == "ignored"  # an echo-less answer alone still proves nothing
+    assert planner.settle(plan, 200, answer, chain_read=True).kind == "advanced"
+    third = nxt + assistant_output(1) + [{"role": "user", "content": "z"}]
+    assert planner.plan(request(third)).previous_response_id == "resp_2"
+
+
 @pytest.mark.parametrize("echo_id", [None, "", "chatcmpl-abc"])
 def test_an_echo_that_cannot_be_a_response_marks_the_upstream(echo_id):
     planner, plan, _ = a_proven_continuation()

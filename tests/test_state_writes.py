@@ -147,3 +147,31 @@ async def test_a_master_down_mid_flush_leaves_no_turn_without_its_items_and_the_
     finally:
         await reader.close()
         cluster.stop()
+
+
+async def test_a_proxy_reads_back_what_it_wrote_before_the_store_took_it(tmp_path):
+    """A client may name a turn it was just answered before the store took
+    the turn's write (the writes wait, the store locked): this proxy's own
+    reads see it, never "not found", and its DELETE is queued after it."""
+    import sqlite3
+
+    path = tmp_path / "state.db"
+    async with Replica(f"sqlite:{path}") as proxy:
+        tenant = proxy.tenant(0)
+        first = proxy.answer(tenant, 1, None)
+        assert await proxy.state.written(proxy.state.flush(), 10)
+        lock = sqlite3.connect(path, timeout=10, isolation_level=None)
+        lock.execute("BEGIN EXCLUSIVE")  # reads go on, writes wait and fail
+        try:
+            context = first + proxy.answer(tenant, 2, "resp_1")
+            assert not await proxy.state.written(proxy.state.flush(), 10)
+            cold = History(proxy.config)  # nothing in memory: every record through the state store
+            assert await cold.context(tenant, "resp_2", proxy.state.get_strict) == context
+            assert await context_read_cold(proxy.state.storage, tenant, "resp_2") is None  # the store alone lacks it
+        finally:
+            lock.execute("ROLLBACK")
+            lock.close()
+
+        async def landed() -> bool:
+            return await context_read_cold(proxy.state.storage, tenant, "resp_2") == context
+        await until(landed)

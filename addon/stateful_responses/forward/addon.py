@@ -351,9 +351,9 @@ class ForwardMode:
 
     # -- internals -----------------------------------------------------------
 
-    def _settle_safely(self, flow: http.HTTPFlow, pending: _Pending) -> Outcome | None:
+    def _settle_safely(self, flow: http.HTTPFlow, pending: _Pending, *, chain_read: bool = False) -> Outcome | None:
         try:
-            pending.outcome = self._settle(flow, pending)
+            pending.outcome = self._settle(flow, pending, chain_read)
             pending.written = self.state.flush()
         except Exception:
             pending.outcome = Outcome("dropped", "internal error")
@@ -361,14 +361,14 @@ class ForwardMode:
             return None
         return pending.outcome
 
-    def _settle(self, flow: http.HTTPFlow, pending: _Pending) -> Outcome:
+    def _settle(self, flow: http.HTTPFlow, pending: _Pending, chain_read: bool = False) -> Outcome:
         assert flow.response is not None
         reader = pending.reader
         if reader is None:  # buffered answer
             reader = _reader_for(flow.response)
             reader.feed(flow.response.raw_content or b"")
         response = reader.finish()
-        outcome = self.planner.settle(pending.plan, flow.response.status_code, response)
+        outcome = self.planner.settle(pending.plan, flow.response.status_code, response, chain_read=chain_read)
         flow.metadata[DECISION] = _metadata(pending.plan, outcome)
         if outcome.kind == "advanced":
             self._debug("advanced: %s %s", outcome.response_id, outcome.detail)
@@ -438,7 +438,7 @@ class ForwardMode:
             if outcome is not None and outcome.kind == "unverified":
                 await self.proofs.proven(scope)  # the listing of its input items
                 if self.planner.upstreams.has("honours_previous", scope):
-                    self._settle_safely(flow, pending)  # made from its chain after all: learned from
+                    self._settle_safely(flow, pending, chain_read=True)  # made from its chain after all: learned from
             upstreams = self.planner.upstreams
             if not upstreams.has("honours_previous", scope):
                 if not upstreams.cannot_continue(scope) and upstreams.mark("refuses_previous", scope):

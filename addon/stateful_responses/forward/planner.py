@@ -329,11 +329,13 @@ class Planner:
     def _uncount(self, plan: Plan) -> None:
         self._count(plan, -1)
 
-    def settle(self, plan: Plan, status_code: int, response: Any) -> Outcome:
+    def settle(self, plan: Plan, status_code: int, response: Any, *, chain_read: bool = False) -> Outcome:
         """Learn from the upstream's answer to a planned request.
 
         ``response`` is the answer's response object (from the JSON body or the
         SSE terminal event), or None when there was none to read.
+        ``chain_read``: a listing of this answer's input items showed the
+        upstream made it from the chain, which an echo could not show.
         """
         if status_code in TRANSIENT_STATUSES:
             return Outcome("transient", f"upstream answered {status_code}; nothing learned")
@@ -367,7 +369,7 @@ class Planner:
         if status != "completed" or not isinstance(rid, str) or not rid:
             self._forget_parent(plan)
             return Outcome("dropped", f"response status {status!r}", rid if isinstance(rid, str) else None)
-        if plan.action == "continue" and echoed is _ABSENT:
+        if plan.action == "continue" and echoed is _ABSENT and not chain_read:
             # An upstream that ignores the field and echoes nothing looks the same: its input items tell.
             if self.upstreams.has("honours_previous", plan.scope):
                 return Outcome("ignored", "the answer does not echo previous_response_id: it proves nothing", rid)

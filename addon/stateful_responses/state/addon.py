@@ -54,8 +54,10 @@ class Unwritten:
     batch: Batch | None = None
 
     @classmethod
-    def of(cls, writes: list[Write]) -> Unwritten:
-        return cls(time.monotonic(), writes, sum(len(w.key) + len(w.value or b"") for w in writes))
+    def of(cls, writes: list[Write], since: float | None = None) -> Unwritten:
+        """``since``: when they first waited (a part split off keeps its age: it is given up in time)."""
+        return cls(time.monotonic() if since is None else since, writes,
+                   sum(len(w.key) + len(w.value or b"") for w in writes))
 
 
 class StateStore:
@@ -75,7 +77,9 @@ class StateStore:
         self._warned = False  # one warning per outage
         self._attempted: asyncio.Event | None = None  # the first connection attempt is over
         self._answered: asyncio.Event | None = None  # a store taken for down answered a read: reconnect now
+        self._tried_at = 0.0  # when the last attempt to connect began
         self._unwritten: deque[Unwritten] = deque()  # oldest first: the writer's next, then those behind it
+        self._queued: deque[list[Write]] = deque()  # the writes in the queue, in its order
         self._gave_up = False  # writes were given up in this outage (and a warning said so)
 
     # -- lifecycle -------------------------------------------------------------
@@ -95,7 +99,7 @@ class StateStore:
         loop = asyncio.get_running_loop()
         self._attempted = asyncio.Event()
         self._answered = asyncio.Event()
-        self._queue = asyncio.Queue()
+        self._queue, self._queued = asyncio.Queue(), deque()
         self._tasks = [loop.create_task(self._keep_connected()), loop.create_task(self._write_loop())]
 
     def _stop(self) -> None:
@@ -117,6 +121,7 @@ class StateStore:
         writes = []
         while self._queue is not None and not self._queue.empty():
             batch, done = self._queue.get_nowait()
+            self._took(batch)
             writes += batch
             if done is not None:
                 done.set_result(False)  # drained at shutdown, if at all: nobody may count on it
@@ -136,6 +141,7 @@ class StateStore:
         s = self.config.settings
         confdir = os.path.expanduser(ctx.options.confdir)
         while True:
+            self._tried_at = time.monotonic()
             try:
                 if not self.up:
                     if self.storage is None:
@@ -193,7 +199,7 @@ class StateStore:
         disk still connects, and fails at the next write). A store taken for
         down that answered a read is connected again at once, so that the
         writes waiting for it go too."""
-        if not self.up and self._answered is not None:
+        if not self.up and self._answered is not None and time.monotonic() - self._tried_at >= RETRY_AFTER / 4:
             self._answered.set()
         if self._warned and self.storage is not None:
             logger.warning("stateful-responses: state store %s is back", self.storage.name)
@@ -249,7 +255,31 @@ class StateStore:
             self._failed(error)
             raise error from None
         self._worked()
+        for key, value in self._pending(table, keys).items():  # this proxy's own writes, not yet in the store
+            if value is None:
+                records.pop(key, None)
+            else:
+                records[key] = value
         return records
+
+    def _pending(self, table: str, keys: Sequence[bytes]) -> dict[bytes, bytes | None]:
+        """Of ``keys``, those this proxy wrote and the store may not have yet
+        (queued, or waiting after a failure): the newest value of each, or
+        None where it was deleted. Read on top of the store, they make it say
+        what this proxy already told its clients."""
+        if not self._unwritten and not self._queued:
+            return {}
+        wanted, found = set(keys), {}
+        for writes in (*(u.writes for u in self._unwritten), *self._queued):
+            for w in writes:
+                if w.key in wanted and w.table == table and not w.touch and not w.log:
+                    found[w.key] = w.value
+        return found
+
+    def _took(self, writes: list[Write]) -> None:
+        """The writer took these from the queue (only flushes queue writes)."""
+        if writes:
+            self._queued.popleft()
 
     def flush(self) -> asyncio.Future | None:
         """Queue every outbox for the store; the future is done once written
@@ -259,6 +289,7 @@ class StateStore:
         if not writes or self._queue is None:
             return None
         done = asyncio.get_running_loop().create_future()
+        self._queued.append(writes)
         self._queue.put_nowait((writes, done))
         return done
 
@@ -280,9 +311,11 @@ class StateStore:
                     else await queue.get()
             except asyncio.TimeoutError:
                 writes, done = [], None
+            self._took(writes)
             finished = [done]
             while not queue.empty():  # what queued meanwhile goes in the same few calls
                 more, also_done = queue.get_nowait()
+                self._took(more)
                 writes, finished = writes + more, finished + [also_done]
             if writes:
                 self._unwritten.append(Unwritten.of(writes))
@@ -303,7 +336,7 @@ class StateStore:
                 if first.batch is None:
                     first.batch = await batch_of(self.storage, first.writes, unchecked)
                     if unchecked:  # checked and written next, after what came with them
-                        self._unwritten.insert(1, Unwritten.of(unchecked))
+                        self._unwritten.insert(1, Unwritten.of(unchecked, first.since))
                 await self.storage.write(first.batch)
             except StorageError as e:
                 if e.unwritten is not None and first.batch is not None:
