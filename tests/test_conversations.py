@@ -5,12 +5,13 @@ are never lost, tenants, seals, deletion, renewal and bounds."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
 from stateful_responses.settings import Config, Settings
 from stateful_responses.state.outbox import apply_writes
-from stateful_responses.state.storage import log_entry
+from stateful_responses.state.storage import log_entry, log_length
 from stateful_responses.state.storage.memory import MemoryStorage
 from stateful_responses.store_emulation import conversations as module
 from stateful_responses.store_emulation.conversations import CONVERSATIONS, Call, Conversations, listed
@@ -418,3 +419,23 @@ async def test_renewing_a_long_log_lets_other_flows_run_between_its_parts(storag
     assert {w.key for w in replica.conversations.take_writes() if w.touch} == {key, *(log_entry(key, n)
                                                                                      for n in range(6))}
     assert turns >= 6 // 2 - 1  # a turn between each two parts
+
+
+async def test_a_ledger_padded_with_conversations_made_and_deleted_is_read_whole(storage, monkeypatch):
+    """Conversations made and deleted by the thousand within a recount leave a
+    long ledger: read whole, its rewrite keeps every living conversation
+    counted, so the share is never exceeded."""
+    monkeypatch.setattr(module, "PREFETCH", 2)
+    config = Config()
+    config.update(dataclasses.replace(config.settings, conversations_per_credential=2))
+    replica = Replica(storage, config)
+    for _ in range(40):  # 40 entries of the gone, more than a few per conversation of a share of 2
+        await replica.call("delete", conversation_id=await created(replica, ["x"]))
+    kept = await created(replica, ["kept"])  # the ledger's last entry
+    replica.conversations._tallies.clear()  # the next write recounts from the store
+    assert (await replica.call("create", body={"items": [{"role": "user", "content": "two"}]}))[0] == 200
+    status, answer = await replica.call("create", body={"items": [{"role": "user", "content": "three"}]})
+    assert status == 400 and answer["error"]["code"] == "conversation_limit_exceeded"
+    assert (await replica.find(kept)) is not None
+    ledger = ALICE.ledger_key()
+    assert log_length((await storage.get(CONVERSATIONS, [ledger]))[ledger]) == 2  # rewritten: the living two

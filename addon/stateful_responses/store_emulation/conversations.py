@@ -552,7 +552,10 @@ class Conversations:
         still there. A ledger mostly of conversations gone is rewritten with
         the living ones; a lost ledger entry leaves its conversation uncounted."""
         found = dict(await get(CONVERSATIONS, [ledger, *(log_entry(ledger, n) for n in range(PREFETCH))]))
-        length = min(log_length(found.get(ledger)), 4 * self.conversations_per_tenant + PREFETCH)
+        # Read whole, however long conversations made and deleted by the thousand
+        # left it (each entry counts in the share until a rewrite, which bounds
+        # it): an entry not read would be dropped by the rewrite, uncounted.
+        length = log_length(found.get(ledger))
         entries = [log_entry(ledger, n) for n in range(length)]
         missing = [entry for entry in entries if entry not in found]
         for at in range(0, len(missing), READ_AT_ONCE):
