@@ -53,3 +53,12 @@ def test_the_websocket_bridge_is_on_where_the_upstream_accepts_it_by_default():
 def test_bad_websocket_values_name_the_option(options):
     with pytest.raises(SettingsError, match=next(iter(options))):
         Settings.from_options(options)
+
+
+def test_the_store_scale_multiplies_the_declared_caps_and_memory_keeps_a_tenth():
+    assert Settings.from_options({}).record_cap(1_000_000) == 1_000_000
+    assert Settings.from_options({"stateful_store_scale": "3"}).record_cap(1_000_000) == 3_000_000
+    memory = Settings.from_options({"stateful_store": "memory", "stateful_store_scale": "3"})
+    assert (memory.record_cap(1_000_000), memory.record_cap(20_000)) == (300_000, 10_000)
+    with pytest.raises(SettingsError, match="stateful_store_scale"):
+        Settings.from_options({"stateful_store_scale": "0"})

@@ -24,7 +24,7 @@ class Replica:
     """The state store and store emulation's history as one proxy runs them,
     in mitmproxy's test context."""
 
-    def __init__(self, store: str) -> None:
+    def __init__(self, store: str, **options) -> None:
         # Imported here, as the backend the store connects to is: an earlier test may have reloaded the package.
         from stateful_responses.options import Options
         from stateful_responses.settings import Config
@@ -37,11 +37,11 @@ class Replica:
         self.history = History(self.config)
         self.state = StateStore(self.config, self.tenancy, Upstreams(self.config, self.tenancy), self.history)
         self.options = Options(self.config)
-        self.store = store
+        self.store, self.extra = store, options
 
     async def __aenter__(self) -> Replica:
         self._context = taddons.context(self.options, self.state)
-        self._context.__enter__().configure(self.options, stateful_store=self.store)
+        self._context.__enter__().configure(self.options, stateful_store=self.store, **self.extra)
         self.state.running()
         for _ in range(500):
             if self.state.up:
@@ -175,3 +175,22 @@ async def test_a_proxy_reads_back_what_it_wrote_before_the_store_took_it(tmp_pat
         async def landed() -> bool:
             return await context_read_cold(proxy.state.storage, tenant, "resp_2") == context
         await until(landed)
+
+
+async def test_the_store_scale_multiplies_every_tables_cap_on_every_backend(tmp_path):
+    """``stateful_store_scale`` raises the records each table keeps, in the
+    backend the store opens and in a credential's share of conversations."""
+    from stateful_responses.store_emulation.conversations import Conversations
+    from stateful_responses.store_emulation.turns import ITEMS, TURNS
+
+    caps = {}
+    for store, scale in (("sqlite:" + str(tmp_path / "one.sqlite3"), 1), ("sqlite:" + str(tmp_path / "four.sqlite3"), 4),
+                         ("memory", 4)):
+        async with Replica(store, stateful_store_scale=scale) as replica:
+            conversations = Conversations(config=replica.config)
+            caps[store.split(":")[0], scale] = (replica.state.storage._limits[TURNS],
+                                                replica.state.storage._limits[ITEMS],
+                                                conversations.records_per_tenant)
+    assert caps[("sqlite", 1)] == (1_000_000, 4_000_000, 400_000)
+    assert caps[("sqlite", 4)] == (4_000_000, 16_000_000, 1_600_000)
+    assert caps[("memory", 4)] == (400_000, 1_600_000, 160_000)  # a tenth of the scaled caps

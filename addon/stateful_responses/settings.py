@@ -144,6 +144,11 @@ OPTIONS: dict[str, tuple[Any, Any, Any, str]] = {
         "Append one JSON line per LLM API call (its continuation record and mapping audit) to this file.",
     ),
     "stateful_store_max_mb": (parse_positive_int, int, 512, "Size cap of the SQLite file, in MiB."),
+    "stateful_store_scale": (
+        parse_positive_int, int, 1,
+        "Multiplies the records every table of the store keeps at most (1 M turns, 4 M items, ...), for a store "
+        "with room for more; every replica on one store sets it alike.",
+    ),
     "stateful_seal_key_file": (
         parse_text, str, "",
         "A file holding a key (16 bytes or more) that is mixed into every seal of store emulation's records, "
@@ -192,6 +197,7 @@ class Settings:
     conversations_per_credential: int = 10_000
     record_file: str = ""
     store_max_mb: int = 512
+    store_scale: int = 1
     seal_key_file: str = ""
     upstream_websocket: str = "auto"
     upstream_websocket_max_sockets: int = 32
@@ -204,6 +210,12 @@ class Settings:
     def from_options(cls, values: dict[str, object]) -> Settings:
         parsed = {name: PARSERS[name](name, values[name]) for name in PARSERS if name in values}
         return cls(**{name.removeprefix(PREFIX): v for name, v in parsed.items()})
+
+    def record_cap(self, declared: int) -> int:
+        """Records a table the code declares ``declared`` for keeps at most:
+        scaled by ``store_scale``; ``memory`` keeps a tenth of a large one."""
+        scaled = declared * self.store_scale
+        return min(scaled, max(scaled // 10, 10_000)) if self.store.strip() == "memory" else scaled
 
     def url_matches(self, url: str) -> bool:
         return not self.base_urls or any(url.startswith(p) for p in self.base_urls)

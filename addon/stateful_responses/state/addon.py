@@ -88,7 +88,7 @@ class StateStore:
         self._restart()
 
     def configure(self, updated: set[str]) -> None:
-        if updated & {"stateful_store", "confdir", "stateful_store_max_mb"} and self._tasks:
+        if updated & {"stateful_store", "confdir", "stateful_store_max_mb", "stateful_store_scale"} and self._tasks:
             self._restart()
 
     def done(self) -> None:
@@ -367,10 +367,9 @@ class StateStore:
                            "unwritten (%d so far)", name, RETRY_FOR, RETRY_BYTES >> 20, dropped)
 
     def _limits(self) -> dict[str, int]:
-        """Records per table: what each source declares for a store on disk
-        or on a server; the memory store keeps a tenth of the large tables."""
-        memory = self.config.settings.store.strip() == "memory"
-        return {table: min(n, max(n // 10, 10_000)) if memory else n
+        """Records per table: what each source declares, as the settings
+        scale it (``Settings.record_cap``)."""
+        return {table: self.config.settings.record_cap(n)
                 for source in self.sources for table, n in source.tables.items()}
 
     # -- commands ----------------------------------------------------------------

@@ -406,12 +406,9 @@ class Conversations:
 
     @property
     def records_per_tenant(self) -> int:
-        """A share of the records the store keeps of conversations (a tenth of
-        them with ``memory``, as the state store bounds its tables)."""
-        bound = self.tables[CONVERSATIONS]
-        if self.config.settings.store.strip() == "memory":
-            bound = min(bound, max(bound // 10, 10_000))
-        return bound // TENANT_SHARE
+        """A share of the records the store keeps of conversations, as the
+        state store bounds its tables (``Settings.record_cap``)."""
+        return self.config.settings.record_cap(self.tables[CONVERSATIONS]) // TENANT_SHARE
 
     # -- reading -----------------------------------------------------------------
 
