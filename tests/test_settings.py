@@ -62,3 +62,21 @@ def test_the_store_scale_multiplies_the_declared_caps_and_memory_keeps_a_tenth()
     assert (memory.record_cap(1_000_000), memory.record_cap(20_000)) == (300_000, 10_000)
     with pytest.raises(SettingsError, match="stateful_store_scale"):
         Settings.from_options({"stateful_store_scale": "0"})
+
+
+def test_readme_lists_every_option_with_its_default():
+    """The options table in README names every option once, and the number
+    and boolean defaults there are the code's."""
+    from pathlib import Path
+
+    from stateful_responses.settings import OPTIONS
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    rows = [line.split("|")[1:-1] for line in readme.splitlines() if line.startswith("| `stateful_")]
+    documented = {cells[0].strip().strip("`"): cells[2].strip() for cells in rows}
+    assert len(rows) == len(documented) and documented.keys() == OPTIONS.keys()
+    for name, (_, kind, default, _) in OPTIONS.items():
+        if kind is bool:
+            assert documented[name] == f"`{str(default).lower()}`", name
+        elif kind is int:
+            assert documented[name] == f"`{default}`", name
