@@ -180,6 +180,13 @@ def test_an_empty_output_is_filled_from_the_done_events():
     assert tip_of({**RESPONSE, "output": []}, done=done) == tip_of()
 
 
+def test_an_empty_output_whose_done_events_miss_an_item_is_not_built_on():
+    """The socket holds every item; a memory without the missed one would send the client's copy of it again."""
+    done = {i: msgspec.Raw(json.dumps(item).encode()) for i, item in enumerate(OUTPUT + OUTPUT[:1])}
+    del done[1]
+    assert tip_of({**RESPONSE, "output": []}, done=done) is None
+
+
 # -- the pool ---------------------------------------------------------------------------------------
 
 
@@ -387,6 +394,18 @@ async def test_a_continued_json_turn_answers_the_terminal_response_and_remembers
     assert json.loads(body)["id"] == "resp_2" and not http
     assert (outcome.transport, outcome.previous_response_id, outcome.items_sent) == ("websocket", "resp_1", 1)
     assert held.tip.response_id == "resp_2" and held.tip.length == 4 + len(OUTPUT) and not held.busy
+
+
+async def test_a_json_client_gets_the_output_a_terminal_event_left_empty_from_the_done_events():
+    """As the HTTP API's JSON answer would hold it (forward mode reads such streams alike)."""
+    events = answered(previous="resp_1")
+    events[-1] = {**events[-1], "response": {**events[-1]["response"], "output": []}}
+    events[1:2] = [{"type": "response.output_item.done", "output_index": i, "item": item}
+                   for i, item in enumerate(OUTPUT)]
+    _, data, held, _ = await run(Scripted(events))
+    answer = json.loads(data.partition(b"\r\n\r\n")[2])
+    assert answer["output"] == OUTPUT and answer["id"] == "resp_2" and answer["status"] == "completed"
+    assert held.tip.length == 4 + len(OUTPUT)
 
 
 async def test_a_streamed_turn_relays_every_event_as_sse_chunks():

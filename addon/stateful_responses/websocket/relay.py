@@ -34,6 +34,7 @@ from .messages import (
     UNUSABLE_SOCKET_ERRORS,
     Event,
     Tip,
+    answered_response,
     echoed_previous,
     error_answer,
     read_event,
@@ -114,7 +115,7 @@ async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
                 await answer.end_stream()
             else:
                 assert exchange.response is not None
-                await answer.json(200, bytes(exchange.response))
+                await answer.json(200, answered_response(exchange.response, exchange.done_items))
             return outcome
         if exchange.kind == "silent" and not answer.started:
             outcome.retries.append(f"no event within {exchange.waited:g} s")
