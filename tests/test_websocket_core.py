@@ -354,8 +354,9 @@ def refusal(status: int, code: str) -> list[dict]:
 
 
 async def run(*sockets: Scripted, streamed: bool = False, continued: bool = True, http=(200, [], b"{}"),
-              first_event_s: float = 5.0, silence_s: float = 5.0):
-    """A turn through ``relay``: the first socket is held, later ones open as needed."""
+              first_event_s: float = 5.0, silence_s: float = 5.0, built: list | None = None):
+    """A turn through ``relay``: the first socket is held, later ones open as needed; ``built`` is
+    given one entry each time the message with the whole input is made."""
     p, _ = pool()
     choice = p.choose("s", ROOT, digests(HISTORY), {})
     p.opened(choice.held, sockets[0])
@@ -374,8 +375,13 @@ async def run(*sockets: Scripted, streamed: bool = False, continued: bool = True
 
     history = HISTORY + OUTPUT + [{"role": "user", "content": "next"}]
     body, reading = read({"model": "m", "input": history, **({"stream": True} if streamed else {})})
-    turn = Turn(streamed, ROOT, digests(history), socket_message(body, reading.fields), len(history), open_socket,
-                fall_back, settled.append, first_event_s, silence_s)
+    def whole() -> bytes:
+        if built is not None:
+            built.append(True)
+        return socket_message(body, reading.fields)
+
+    turn = Turn(streamed, ROOT, digests(history), whole, len(history), open_socket, fall_back, settled.append,
+                first_event_s, silence_s)
     if continued:
         turn.continued, turn.items_sent = tip_of(), 1
         turn.delta_message = socket_message(body, reading.fields, reading.raw_items[3:], "resp_1")
@@ -386,14 +392,15 @@ async def run(*sockets: Scripted, streamed: bool = False, continued: bool = True
 
 
 async def test_a_continued_json_turn_answers_the_terminal_response_and_remembers_it():
-    socket = Scripted(answered(previous="resp_1"))
-    outcome, data, held, http = await run(socket)
+    socket, built = Scripted(answered(previous="resp_1")), []
+    outcome, data, held, http = await run(socket, built=built)
     assert socket.sent[0]["previous_response_id"] == "resp_1" and len(socket.sent[0]["input"]) == 1
     head, _, body = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 OK") and b"content-type: application/json" in head
     assert json.loads(body)["id"] == "resp_2" and not http
     assert (outcome.transport, outcome.previous_response_id, outcome.items_sent) == ("websocket", "resp_1", 1)
     assert held.tip.response_id == "resp_2" and held.tip.length == 4 + len(OUTPUT) and not held.busy
+    assert not built  # a long history's copy, never sent: never made on the event loop
 
 
 async def test_a_json_client_gets_the_output_a_terminal_event_left_empty_from_the_done_events():
@@ -416,10 +423,11 @@ async def test_a_streamed_turn_relays_every_event_as_sse_chunks():
 
 
 async def test_a_socket_that_closes_before_the_first_event_is_replaced_and_the_turn_sent_whole():
-    broken, fresh = Scripted([Scripted.CLOSE]), Scripted(answered())
-    outcome, data, held, http = await run(broken, fresh)
+    broken, fresh, built = Scripted([Scripted.CLOSE]), Scripted(answered()), []
+    outcome, data, held, http = await run(broken, fresh, built=built)
     assert "previous_response_id" not in fresh.sent[0] and len(fresh.sent[0]["input"]) == 4
     assert held.connection is fresh and outcome.previous_response_id is None and outcome.retries and not http
+    assert built == [True]  # made once the retry needs it
     assert b"200 OK" in data
 
 

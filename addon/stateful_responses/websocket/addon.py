@@ -239,7 +239,7 @@ class WebSocketBridge:
         client = flow.request.copy()
         body, fields = client.raw_content or b"", reading.fields
         turn = Turn(streamed=bytes(fields.get("stream", b"")) == b"true", root=root, digests=digests,
-                    full_message=socket_message(body, fields), items_total=len(digests),
+                    whole=lambda: socket_message(body, fields), items_total=len(digests),
                     open_socket=lambda: open_socket(target, tls_options()),
                     over_http=lambda: self._over_http(flow, client), settle=lambda outcome: self._settle(job, outcome),
                     first_event_s=s.upstream_websocket_first_event_s, silence_s=s.upstream_websocket_silence_s)

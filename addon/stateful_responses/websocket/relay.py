@@ -70,7 +70,7 @@ class Turn:
     streamed: bool
     root: bytes
     digests: list[bytes]  # the request's whole input, item references resolved against the continued tip
-    full_message: bytes
+    whole: Callable[[], bytes]  # builds the message with the whole input (see full_message)
     items_total: int
     open_socket: Callable[[], Awaitable[UpstreamSocket]]
     over_http: Callable[[], Awaitable[HttpAnswer]]
@@ -80,6 +80,17 @@ class Turn:
     continued: Tip | None = None
     delta_message: bytes | None = None
     items_sent: int = 0
+    _full_message: bytes | None = field(default=None, repr=False)
+
+    @property
+    def full_message(self) -> bytes:
+        """The message with the whole input, built once it is to be sent (a
+        full turn, or a continuation's retry): for a long history it costs
+        tens of milliseconds of the event loop and the body's size in memory,
+        which a continuation answered at once never needs."""
+        if self._full_message is None:
+            self._full_message = self.whole()
+        return self._full_message
 
 
 @dataclass(frozen=True)
