@@ -354,9 +354,10 @@ def refusal(status: int, code: str) -> list[dict]:
 
 
 async def run(*sockets: Scripted, streamed: bool = False, continued: bool = True, http=(200, [], b"{}"),
-              first_event_s: float = 5.0, silence_s: float = 5.0, built: list | None = None):
+              first_event_s: float = 5.0, silence_s: float = 5.0, built: list | None = None, gone: bool = False):
     """A turn through ``relay``: the first socket is held, later ones open as needed; ``built`` is
-    given one entry each time the message with the whole input is made."""
+    given one entry each time the message with the whole input is made; ``gone``: mitmproxy has
+    closed the loopback connection (its client went away)."""
     p, _ = pool()
     choice = p.choose("s", ROOT, digests(HISTORY), {})
     p.opened(choice.held, sockets[0])
@@ -385,8 +386,10 @@ async def run(*sockets: Scripted, streamed: bool = False, continued: bool = True
     if continued:
         turn.continued, turn.items_sent = tip_of(), 1
         turn.delta_message = socket_message(body, reading.fields, reading.raw_items[3:], "resp_1")
-    writer = Writer()
-    outcome = await relay(turn, choice.held, p, Answer(writer))
+    writer, reader = Writer(), asyncio.StreamReader()
+    if gone:
+        reader.feed_eof()
+    outcome = await relay(turn, choice.held, p, Answer(writer, reader))
     assert settled == [outcome]
     return outcome, bytes(writer.data), choice.held, bool(over_http)
 
@@ -482,6 +485,12 @@ async def test_no_first_event_within_its_bound_drops_the_socket_and_goes_over_ht
     assert http and outcome.transport == "http" and outcome.retries == ["no event within 0.05 s"]
     assert not silent.open and held.retired and not spare.sent  # over HTTP at once, not on another socket
     assert data.startswith(b"HTTP/1.1 200") and b"event:" not in data
+
+
+async def test_a_client_gone_before_its_answer_has_nothing_sent_over_http_for_it():
+    outcome, data, held, http = await run(Scripted([Scripted.STALL]), first_event_s=0.05, gone=True)
+    assert not http and outcome.abandoned and outcome.retries == ["no event within 0.05 s"] and not data
+    assert held.retired
 
 
 async def test_a_json_client_has_no_byte_before_the_end_so_a_silence_mid_answer_goes_over_http():

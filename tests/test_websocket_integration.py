@@ -260,6 +260,23 @@ def test_a_silence_mid_answer_is_invisible_to_a_json_client_and_breaks_a_streami
     assert ("the socket fell silent for 1 s mid-answer" if stream else "after: no event within 1 s") in proxy.output()
 
 
+def test_a_silent_socket_whose_client_gave_up_sends_nothing_more_upstream(emulator, bridge):
+    """Over HTTP the turn would be billed again for nobody: a client gone has nothing to retry for."""
+    proxy = bridge("--set", "stateful_upstream_websocket_first_event_s=2")
+    conv = Conversation(proxy.url, options={"store": False})
+    converse(conv, 2)
+    emulator.model.control({"fail_next": [{"kind": "ws_stall", "when": "continued"}]})
+    impatient = Conversation(proxy.url, options={"store": False}, history=conv.history, sent=conv.sent)
+    impatient.client = impatient.client.with_options(timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.turn("the client gives up on this one")
+    impatient.close()
+    time.sleep(3)  # the bridge gives up on the socket after 2 s
+    log = records(emulator)
+    assert [r["transport"] for r in log] == ["websocket"] * len(log) and log[-1]["fault"] == "ws_stall"
+    assert "the client went away" in proxy.output()
+
+
 def test_while_the_upgrade_rests_after_a_failure_turns_go_over_http_with_the_clients_store(emulator, bridge):
     emulator.model.control({"websocket": "unavailable"})
     proxy = bridge()

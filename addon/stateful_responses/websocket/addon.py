@@ -346,7 +346,9 @@ class WebSocketBridge:
         flow, turn = job.flow, job.turn
         c = self.counters
         continued = outcome.previous_response_id is not None
-        if outcome.transport == "websocket":
+        if outcome.abandoned:
+            pass  # nothing was answered: only its retries count
+        elif outcome.transport == "websocket":
             c.websocket_turns += 1
             if continued:
                 c.continued += 1
@@ -364,6 +366,11 @@ class WebSocketBridge:
         if outcome.unverified:
             self._refuses(job.scope, job.label, "answered a continuation without echoing its previous_response_id")
         self.state.flush()
+        if outcome.abandoned:
+            flow.comment = f"ws: not sent over HTTP: the client went away (after: {'; '.join(outcome.retries)})"
+            flow.marked = ":warning:"
+            self._debug("%s (%s)", flow.comment, job.label)
+            return
         action = "http" if outcome.transport == "http" else "continue" if continued else "full"
         summary = "ws: sent over HTTP" if action == "http" else \
             _summary(outcome.previous_response_id, outcome.items_sent, turn.items_total)

@@ -59,6 +59,7 @@ class Outcome:
     unverified: bool = False  # a continuation came back without its previous_response_id
     dropped: str | None = None  # why the client's stream was cut after it had bytes (the socket broke or fell silent)
     status: int | None = None  # the HTTP status the client got
+    abandoned: bool = False  # the client went away before any answer: the turn was not sent over HTTP
 
 
 @dataclass
@@ -170,6 +171,11 @@ async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
         break
     # Over HTTP, the client's own request; a socket still open goes back to the pool.
     _release(pool, held, None)
+    if answer.abandoned:  # the client went away: over HTTP the turn would be made, and billed, for nobody
+        outcome.abandoned = True
+        turn.settle(outcome)
+        answer.drop()
+        return outcome
     outcome.transport = "http"
     outcome.items_sent = turn.items_total
     outcome.status, headers, body = await turn.over_http()
