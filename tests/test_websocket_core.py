@@ -18,6 +18,7 @@ from mitmproxy import http
 from mitmproxy.proxy.mode_specs import ProxyMode
 from mitmproxy.proxy.layers.http import HttpRequestHook, HttpResponseHeadersHook, HttpResponseHook
 from mitmproxy.test import tflow, tutils
+from stateful_responses.flows import BRIDGED
 from stateful_responses.items import item_digest
 from stateful_responses.request_reader import Reader, Reading, Request
 from stateful_responses.answer_reader import SSEParser
@@ -572,3 +573,27 @@ async def test_a_bridged_flow_is_let_go_once_its_answer_is_done(emulator):
         log = emulator.model.snapshot_log()
         assert [r["transport"] for r in log] == ["websocket"] * 3
         assert [r["continued"] for r in log] == [False, True, True]
+
+
+async def test_in_transparent_mode_two_names_at_one_address_never_share_a_socket(emulator):
+    """One address may serve several hosts (a provider's regional names, a cloud's shared front end), and one
+    credential may reach them all: a turn for one name never goes over a socket opened to another."""
+    from test_addon import Glue
+
+    async with Glue(stateful_upstream_websocket="auto") as addon:
+        bridge, hooks_of = addon.bridge, addon.tctx.master.addons.invoke_addon
+        history: list = [{"role": "user", "content": "one address, two names"}]
+        for name in ("localhost", "alias.example.test"):
+            flow = bridgeable_flow(f"http://127.0.0.1:{emulator.port}/v1/responses",
+                                   {"model": "m", "store": False, "input": history}, "transparent",
+                                   host_header=f"{name}:{emulator.port}")
+            await hooks_of(bridge, HttpRequestHook(flow))
+            assert flow.metadata[BRIDGED]["action"] == "full"  # the second extends the first: on its socket no more
+            async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+                answer = await client.post(flow.request.url, content=b"")
+            flow.response = http.Response.make(answer.status_code, answer.content, dict(answer.headers))
+            await hooks_of(bridge, HttpResponseHeadersHook(flow))
+            await hooks_of(bridge, HttpResponseHook(flow))
+            history += [*answer.json()["output"], {"role": "user", "content": "and the other name?"}]
+        assert len(bridge.pool) == 2
+        assert [r["continued"] for r in emulator.model.snapshot_log()] == [False, False]

@@ -205,23 +205,25 @@ class WebSocketBridge:
         root = namespace(self.tenancy.secret, reading.upstream, reading.model, reading.credential)
         named = self.reader.digests.references
         references = {d: named[d] for d in reading.digests if d in named} if named else {}
-        choice = self.pool.choose(scope, root, reading.digests, references)
+        target = target_of(flow.request)
+        # One address (transparent mode's upstream) may serve several names, each reached with the same
+        # credential: a socket serves only the name, path and query it was opened to.
+        choice = self.pool.choose(f"{scope}\x00{target.url}", root, reading.digests, references)
         self._close(self.pool.take_closing())
         if choice is None:
             self._debug("ws: every socket of %s is busy; over HTTP", label)
             return
         try:
-            await self._take(flow, reading, root, references, choice.held, choice.continued, choice.fresh)
+            await self._take(flow, reading, target, root, references, choice.held, choice.continued, choice.fresh)
         except BaseException:  # a socket the flow does not go to goes back, whatever happened
             if choice.held.busy and self._flows.get(flow) is None:
                 self._close([c for c in [self.pool.release(choice.held, choice.held.tip)] if c is not None])
             raise
 
-    async def _take(self, flow: http.HTTPFlow, reading: Reading, root: bytes, references: dict[bytes, str],
-                    held: Held, tip: Tip | None, fresh: bool) -> None:
+    async def _take(self, flow: http.HTTPFlow, reading: Reading, target: Target, root: bytes,
+                    references: dict[bytes, str], held: Held, tip: Tip | None, fresh: bool) -> None:
         """Open the socket if it is new, then make the turn and point the flow at the loopback server."""
         scope, label, s = reading.scope, reading.label, self.settings
-        target = target_of(flow.request)
         if fresh:
             self._debug("ws: opening a socket to %s", label)
             try:
