@@ -18,6 +18,7 @@ from mitmproxy import http
 from mitmproxy.proxy.mode_specs import ProxyMode
 from mitmproxy.proxy.layers.http import HttpRequestHook, HttpResponseHeadersHook, HttpResponseHook
 from mitmproxy.test import tflow, tutils
+from stateful_responses.flows import BRIDGED
 from stateful_responses.items import item_digest
 from stateful_responses.request_reader import Reader, Reading, Request
 from stateful_responses.answer_reader import SSEParser
@@ -178,6 +179,13 @@ def test_an_answer_other_parsers_read_differently_is_not_built_on():
 def test_an_empty_output_is_filled_from_the_done_events():
     done = {i: msgspec.Raw(json.dumps(item).encode()) for i, item in enumerate(OUTPUT)}
     assert tip_of({**RESPONSE, "output": []}, done=done) == tip_of()
+
+
+def test_an_empty_output_whose_done_events_miss_an_item_is_not_built_on():
+    """The socket holds every item; a memory without the missed one would send the client's copy of it again."""
+    done = {i: msgspec.Raw(json.dumps(item).encode()) for i, item in enumerate(OUTPUT + OUTPUT[:1])}
+    del done[1]
+    assert tip_of({**RESPONSE, "output": []}, done=done) is None
 
 
 # -- the pool ---------------------------------------------------------------------------------------
@@ -347,8 +355,10 @@ def refusal(status: int, code: str) -> list[dict]:
 
 
 async def run(*sockets: Scripted, streamed: bool = False, continued: bool = True, http=(200, [], b"{}"),
-              first_event_s: float = 5.0, silence_s: float = 5.0):
-    """A turn through ``relay``: the first socket is held, later ones open as needed."""
+              first_event_s: float = 5.0, silence_s: float = 5.0, built: list | None = None, gone: bool = False):
+    """A turn through ``relay``: the first socket is held, later ones open as needed; ``built`` is
+    given one entry each time the message with the whole input is made; ``gone``: mitmproxy has
+    closed the loopback connection (its client went away)."""
     p, _ = pool()
     choice = p.choose("s", ROOT, digests(HISTORY), {})
     p.opened(choice.held, sockets[0])
@@ -367,26 +377,46 @@ async def run(*sockets: Scripted, streamed: bool = False, continued: bool = True
 
     history = HISTORY + OUTPUT + [{"role": "user", "content": "next"}]
     body, reading = read({"model": "m", "input": history, **({"stream": True} if streamed else {})})
-    turn = Turn(streamed, ROOT, digests(history), socket_message(body, reading.fields), len(history), open_socket,
-                fall_back, settled.append, first_event_s, silence_s)
+    def whole() -> bytes:
+        if built is not None:
+            built.append(True)
+        return socket_message(body, reading.fields)
+
+    turn = Turn(streamed, ROOT, digests(history), whole, len(history), open_socket, fall_back, settled.append,
+                first_event_s, silence_s)
     if continued:
         turn.continued, turn.items_sent = tip_of(), 1
         turn.delta_message = socket_message(body, reading.fields, reading.raw_items[3:], "resp_1")
-    writer = Writer()
-    outcome = await relay(turn, choice.held, p, Answer(writer))
+    writer, reader = Writer(), asyncio.StreamReader()
+    if gone:
+        reader.feed_eof()
+    outcome = await relay(turn, choice.held, p, Answer(writer, reader))
     assert settled == [outcome]
     return outcome, bytes(writer.data), choice.held, bool(over_http)
 
 
 async def test_a_continued_json_turn_answers_the_terminal_response_and_remembers_it():
-    socket = Scripted(answered(previous="resp_1"))
-    outcome, data, held, http = await run(socket)
+    socket, built = Scripted(answered(previous="resp_1")), []
+    outcome, data, held, http = await run(socket, built=built)
     assert socket.sent[0]["previous_response_id"] == "resp_1" and len(socket.sent[0]["input"]) == 1
     head, _, body = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 OK") and b"content-type: application/json" in head
     assert json.loads(body)["id"] == "resp_2" and not http
     assert (outcome.transport, outcome.previous_response_id, outcome.items_sent) == ("websocket", "resp_1", 1)
     assert held.tip.response_id == "resp_2" and held.tip.length == 4 + len(OUTPUT) and not held.busy
+    assert not built  # a long history's copy, never sent: never made on the event loop
+
+
+async def test_a_json_client_gets_the_output_a_terminal_event_left_empty_from_the_done_events():
+    """As the HTTP API's JSON answer would hold it (forward mode reads such streams alike)."""
+    events = answered(previous="resp_1")
+    events[-1] = {**events[-1], "response": {**events[-1]["response"], "output": []}}
+    events[1:2] = [{"type": "response.output_item.done", "output_index": i, "item": item}
+                   for i, item in enumerate(OUTPUT)]
+    _, data, held, _ = await run(Scripted(events))
+    answer = json.loads(data.partition(b"\r\n\r\n")[2])
+    assert answer["output"] == OUTPUT and answer["id"] == "resp_2" and answer["status"] == "completed"
+    assert held.tip.length == 4 + len(OUTPUT)
 
 
 async def test_a_streamed_turn_relays_every_event_as_sse_chunks():
@@ -397,10 +427,11 @@ async def test_a_streamed_turn_relays_every_event_as_sse_chunks():
 
 
 async def test_a_socket_that_closes_before_the_first_event_is_replaced_and_the_turn_sent_whole():
-    broken, fresh = Scripted([Scripted.CLOSE]), Scripted(answered())
-    outcome, data, held, http = await run(broken, fresh)
+    broken, fresh, built = Scripted([Scripted.CLOSE]), Scripted(answered()), []
+    outcome, data, held, http = await run(broken, fresh, built=built)
     assert "previous_response_id" not in fresh.sent[0] and len(fresh.sent[0]["input"]) == 4
     assert held.connection is fresh and outcome.previous_response_id is None and outcome.retries and not http
+    assert built == [True]  # made once the retry needs it
     assert b"200 OK" in data
 
 
@@ -455,6 +486,12 @@ async def test_no_first_event_within_its_bound_drops_the_socket_and_goes_over_ht
     assert http and outcome.transport == "http" and outcome.retries == ["no event within 0.05 s"]
     assert not silent.open and held.retired and not spare.sent  # over HTTP at once, not on another socket
     assert data.startswith(b"HTTP/1.1 200") and b"event:" not in data
+
+
+async def test_a_client_gone_before_its_answer_has_nothing_sent_over_http_for_it():
+    outcome, data, held, http = await run(Scripted([Scripted.STALL]), first_event_s=0.05, gone=True)
+    assert not http and outcome.abandoned and outcome.retries == ["no event within 0.05 s"] and not data
+    assert held.retired
 
 
 async def test_a_json_client_has_no_byte_before_the_end_so_a_silence_mid_answer_goes_over_http():
@@ -536,3 +573,27 @@ async def test_a_bridged_flow_is_let_go_once_its_answer_is_done(emulator):
         log = emulator.model.snapshot_log()
         assert [r["transport"] for r in log] == ["websocket"] * 3
         assert [r["continued"] for r in log] == [False, True, True]
+
+
+async def test_in_transparent_mode_two_names_at_one_address_never_share_a_socket(emulator):
+    """One address may serve several hosts (a provider's regional names, a cloud's shared front end), and one
+    credential may reach them all: a turn for one name never goes over a socket opened to another."""
+    from test_addon import Glue
+
+    async with Glue(stateful_upstream_websocket="auto") as addon:
+        bridge, hooks_of = addon.bridge, addon.tctx.master.addons.invoke_addon
+        history: list = [{"role": "user", "content": "one address, two names"}]
+        for name in ("localhost", "alias.example.test"):
+            flow = bridgeable_flow(f"http://127.0.0.1:{emulator.port}/v1/responses",
+                                   {"model": "m", "store": False, "input": history}, "transparent",
+                                   host_header=f"{name}:{emulator.port}")
+            await hooks_of(bridge, HttpRequestHook(flow))
+            assert flow.metadata[BRIDGED]["action"] == "full"  # the second extends the first: on its socket no more
+            async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+                answer = await client.post(flow.request.url, content=b"")
+            flow.response = http.Response.make(answer.status_code, answer.content, dict(answer.headers))
+            await hooks_of(bridge, HttpResponseHeadersHook(flow))
+            await hooks_of(bridge, HttpResponseHook(flow))
+            history += [*answer.json()["output"], {"role": "user", "content": "and the other name?"}]
+        assert len(bridge.pool) == 2
+        assert [r["continued"] for r in emulator.model.snapshot_log()] == [False, False]

@@ -29,6 +29,7 @@ from driver import (
 )
 from mitmproxy import io as flow_io
 from stateful_responses.view import render
+from stateful_responses.websocket.addon import UNCLAIMED_S
 from stateful_responses.websocket.messages import sse_event
 
 AUTH = {"authorization": "Bearer sk-test-key"}
@@ -259,6 +260,23 @@ def test_a_silence_mid_answer_is_invisible_to_a_json_client_and_breaks_a_streami
     assert ("the socket fell silent for 1 s mid-answer" if stream else "after: no event within 1 s") in proxy.output()
 
 
+def test_a_silent_socket_whose_client_gave_up_sends_nothing_more_upstream(emulator, bridge):
+    """Over HTTP the turn would be billed again for nobody: a client gone has nothing to retry for."""
+    proxy = bridge("--set", "stateful_upstream_websocket_first_event_s=2")
+    conv = Conversation(proxy.url, options={"store": False})
+    converse(conv, 2)
+    emulator.model.control({"fail_next": [{"kind": "ws_stall", "when": "continued"}]})
+    impatient = Conversation(proxy.url, options={"store": False}, history=conv.history, sent=conv.sent)
+    impatient.client = impatient.client.with_options(timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.turn("the client gives up on this one")
+    impatient.close()
+    time.sleep(3)  # the bridge gives up on the socket after 2 s
+    log = records(emulator)
+    assert [r["transport"] for r in log] == ["websocket"] * len(log) and log[-1]["fault"] == "ws_stall"
+    assert "the client went away" in proxy.output()
+
+
 def test_while_the_upgrade_rests_after_a_failure_turns_go_over_http_with_the_clients_store(emulator, bridge):
     emulator.model.control({"websocket": "unavailable"})
     proxy = bridge()
@@ -376,6 +394,63 @@ def test_a_continuation_the_upstream_does_not_echo_turns_the_bridge_off_there(em
 
 
 # -- concurrency and bounds ---------------------------------------------------------------------------
+
+
+HOLD_A_FLOW = """
+import asyncio
+import json
+from mitmproxy import http
+
+ANSWER = {{"id": "resp_addon", "object": "response", "created_at": 0, "status": "completed", "model": "gpt-test",
+          "output": [{{"type": "message", "id": "msg_addon", "status": "completed", "role": "assistant",
+                      "content": [{{"type": "output_text", "text": "from an addon", "annotations": []}}]}}],
+          "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}}
+
+class TheThirdBridgedFlow:
+    \"\"\"After ours, keeps the third bridged flow a while, as mitmweb's intercept does while a person looks
+    (hold_s), or answers it itself.\"\"\"
+
+    seen = 0
+
+    def request(self, flow):
+        if flow.request.path.startswith("/stateful-websocket/"):
+            self.seen += 1
+            if self.seen == 3 and {hold_s}:
+                flow.intercept()
+                asyncio.get_running_loop().call_later({hold_s}, flow.resume)
+            elif self.seen == 3:
+                flow.response = http.Response.make(200, json.dumps(ANSWER), {{"content-type": "application/json"}})
+
+addons = [TheThirdBridgedFlow()]
+"""
+
+
+def test_a_flow_held_past_the_sockets_hold_still_gets_its_answer(emulator, bridge, tmp_path):
+    """A bridged flow that reaches the loopback server only after its socket was given back (held by an
+    intercept for over a minute) is answered over HTTP with the client's request, not refused by the proxy."""
+    script = tmp_path / "hold.py"
+    script.write_text(HOLD_A_FLOW.format(hold_s=UNCLAIMED_S + 2))
+    proxy = bridge("-s", str(script))
+    conv = Conversation(proxy.url, as_dicts=True, options={"store": False})
+    conv.client = conv.client.with_options(timeout=UNCLAIMED_S + 30)
+    converse(conv, 3)
+    log = records(emulator)
+    assert [r["transport"] for r in log] == ["websocket", "websocket", "http"] + ["websocket"] * (len(log) - 3)
+    assert_context_preserved(conv.sent, log)
+    assert log[2]["store"] is False and log[3]["continued"]  # the socket, given back as it was, goes on
+    assert "ws: sent over HTTP (after: the flow came " in proxy.output()
+
+
+def test_a_flow_another_addon_answers_gives_its_socket_back_at_once(emulator, bridge, tmp_path):
+    script = tmp_path / "answer.py"
+    script.write_text(HOLD_A_FLOW.format(hold_s=0))
+    proxy = bridge("-s", str(script))
+    conv = Conversation(proxy.url, as_dicts=True, options={"store": False})
+    converse(conv, 3)
+    log = records(emulator)
+    assert any(item.get("id") == "msg_addon" for item in conv.history) and len(conv.sent) == 4 and len(log) == 3
+    assert_context_preserved(conv.sent[:2] + conv.sent[3:], log)
+    assert len({r["socket"] for r in log}) == 1 and log[2]["continued"]  # its socket was free for the next turn
 
 
 def test_six_concurrent_conversations_each_keep_their_context_on_sockets_of_their_own(emulator, bridge):

@@ -56,7 +56,7 @@ from .relay import HttpAnswer, Outcome, Turn, relay
 logger = logging.getLogger(__name__)
 
 SWEEP_EVERY_S = 5.0  # idle and aged sockets are closed this often
-UNCLAIMED_S = 60.0  # a redirected flow that never reached the loopback server gives its socket back
+UNCLAIMED_S = 60.0  # a redirected flow not at the loopback server by then gives its socket back (then: HTTP)
 REST_S = 60.0  # an upstream + credential whose socket could not be opened goes over HTTP this long
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "upgrade"})
 MARKS = {"continue": ":recycle:", "full": ":arrow_right:", "http": ":warning:"}
@@ -75,6 +75,7 @@ class _Job:
     client_bytes: int
     token: str
     unclaimed: asyncio.TimerHandle | None = None  # gives the socket back if the loopback server never sees the flow
+    overdue: bool = False  # its socket was given back before the flow came: should it come, it goes over HTTP
 
 
 def namespace(secret: bytes, upstream: str, model: str, credential: bytes) -> bytes:
@@ -174,7 +175,9 @@ class WebSocketBridge:
             flow.response.stream = True  # each event on to the client as it comes
 
     def response(self, flow: http.HTTPFlow) -> None:
-        self._flows.pop(flow)  # the job refers to its flow: kept, it would keep the flow, its body and messages alive
+        job = self._flows.pop(flow)  # the job refers to its flow: kept, it would keep the flow, its body and messages
+        if job is not None:
+            self._unclaimed(job)  # answered without the loopback server (by another addon): its socket goes back
 
     def error(self, flow: http.HTTPFlow) -> None:
         job = self._flows.pop(flow)
@@ -202,23 +205,25 @@ class WebSocketBridge:
         root = namespace(self.tenancy.secret, reading.upstream, reading.model, reading.credential)
         named = self.reader.digests.references
         references = {d: named[d] for d in reading.digests if d in named} if named else {}
-        choice = self.pool.choose(scope, root, reading.digests, references)
+        target = target_of(flow.request)
+        # One address (transparent mode's upstream) may serve several names, each reached with the same
+        # credential: a socket serves only the name, path and query it was opened to.
+        choice = self.pool.choose(f"{scope}\x00{target.url}", root, reading.digests, references)
         self._close(self.pool.take_closing())
         if choice is None:
             self._debug("ws: every socket of %s is busy; over HTTP", label)
             return
         try:
-            await self._take(flow, reading, root, references, choice.held, choice.continued, choice.fresh)
+            await self._take(flow, reading, target, root, references, choice.held, choice.continued, choice.fresh)
         except BaseException:  # a socket the flow does not go to goes back, whatever happened
             if choice.held.busy and self._flows.get(flow) is None:
                 self._close([c for c in [self.pool.release(choice.held, choice.held.tip)] if c is not None])
             raise
 
-    async def _take(self, flow: http.HTTPFlow, reading: Reading, root: bytes, references: dict[bytes, str],
-                    held: Held, tip: Tip | None, fresh: bool) -> None:
+    async def _take(self, flow: http.HTTPFlow, reading: Reading, target: Target, root: bytes,
+                    references: dict[bytes, str], held: Held, tip: Tip | None, fresh: bool) -> None:
         """Open the socket if it is new, then make the turn and point the flow at the loopback server."""
         scope, label, s = reading.scope, reading.label, self.settings
-        target = target_of(flow.request)
         if fresh:
             self._debug("ws: opening a socket to %s", label)
             try:
@@ -239,7 +244,7 @@ class WebSocketBridge:
         client = flow.request.copy()
         body, fields = client.raw_content or b"", reading.fields
         turn = Turn(streamed=bytes(fields.get("stream", b"")) == b"true", root=root, digests=digests,
-                    full_message=socket_message(body, fields), items_total=len(digests),
+                    whole=lambda: socket_message(body, fields), items_total=len(digests),
                     open_socket=lambda: open_socket(target, tls_options()),
                     over_http=lambda: self._over_http(flow, client), settle=lambda outcome: self._settle(job, outcome),
                     first_event_s=s.upstream_websocket_first_event_s, silence_s=s.upstream_websocket_silence_s)
@@ -255,7 +260,7 @@ class WebSocketBridge:
         """Point the flow at the loopback server (the last step: nothing after it can fail)."""
         self._jobs[job.token] = job
         self._flows.put(flow, job)
-        job.unclaimed = asyncio.get_running_loop().call_later(UNCLAIMED_S, self._unclaimed, job)
+        job.unclaimed = asyncio.get_running_loop().call_later(UNCLAIMED_S, self._overdue, job)
         where = f"127.0.0.1:{self.loopback.port}"
         flow.request.data = http.Request.make("POST", f"http://{where}{PATH_PREFIX}{job.token}", b"",
                                               {"host": where, "content-length": "0"}).data
@@ -269,13 +274,28 @@ class WebSocketBridge:
                                   "items_sent": turn.items_sent if turn.continued else turn.items_total}
 
     def _unclaimed(self, job: _Job) -> None:
-        """A flow that never reached the loopback server (the client went
-        away): its socket goes back, its memory unchanged."""
+        """A flow that will never reach the loopback server (the client went
+        away, or another addon answered it): its socket goes back, its memory
+        unchanged."""
         if job.unclaimed is not None:
-            job.unclaimed.cancel()  # called from the error hook: the timer would hold the job, and its flow
+            job.unclaimed.cancel()  # the timer would hold the job, and its flow
+            job.unclaimed = None
         if self._jobs.get(job.token) is job:
             del self._jobs[job.token]
-            self._close([c for c in [self.pool.release(job.held, job.held.tip)] if c is not None])
+            if not job.overdue:
+                self._give_back(job)
+
+    def _overdue(self, job: _Job) -> None:
+        """A flow not at the loopback server within ``UNCLAIMED_S`` (held by
+        an interception, say): its socket goes back, its memory unchanged,
+        for other turns; the flow, should it still come, goes over HTTP."""
+        job.unclaimed = None
+        if self._jobs.get(job.token) is job and not job.overdue:
+            job.overdue = True
+            self._give_back(job)
+
+    def _give_back(self, job: _Job) -> None:
+        self._close([c for c in [self.pool.release(job.held, job.held.tip)] if c is not None])
 
     # -- answering it ------------------------------------------------------------
 
@@ -286,6 +306,10 @@ class WebSocketBridge:
             return
         if job.unclaimed is not None:
             job.unclaimed.cancel()  # claimed: the timer would hold the job, and its flow, a minute more
+            job.unclaimed = None
+        if job.overdue:
+            await self._late(job, answer)
+            return
         try:
             await relay(job.turn, job.held, self.pool, answer)
         except Exception:
@@ -296,6 +320,20 @@ class WebSocketBridge:
             else:
                 failed = bad_gateway("internal error")
                 await answer.whole(502, list(failed.headers.items()), failed.raw_content or b"")
+
+    async def _late(self, job: _Job, answer: Answer) -> None:
+        """A flow that came after its socket was given back (and may be in
+        another turn's use): the client's own request over HTTP."""
+        outcome = Outcome("http", items_sent=job.turn.items_total,
+                          retries=[f"the flow came after its socket's {UNCLAIMED_S:g} s hold"])
+        try:
+            outcome.status, headers, body = await job.turn.over_http()
+            self._settle(job, outcome)
+        except Exception:
+            internal_error(self.counters, "answering a late flow over HTTP")
+            failed = bad_gateway("internal error")
+            outcome.status, headers, body = 502, list(failed.headers.items()), failed.raw_content or b""
+        await answer.whole(outcome.status, headers, body)
 
     async def _over_http(self, flow: http.HTTPFlow, client: http.Request) -> HttpAnswer:
         """The client's own request over HTTP, sent as mitmproxy sends it."""
@@ -310,7 +348,9 @@ class WebSocketBridge:
         flow, turn = job.flow, job.turn
         c = self.counters
         continued = outcome.previous_response_id is not None
-        if outcome.transport == "websocket":
+        if outcome.abandoned:
+            pass  # nothing was answered: only its retries count
+        elif outcome.transport == "websocket":
             c.websocket_turns += 1
             if continued:
                 c.continued += 1
@@ -328,6 +368,11 @@ class WebSocketBridge:
         if outcome.unverified:
             self._refuses(job.scope, job.label, "answered a continuation without echoing its previous_response_id")
         self.state.flush()
+        if outcome.abandoned:
+            flow.comment = f"ws: not sent over HTTP: the client went away (after: {'; '.join(outcome.retries)})"
+            flow.marked = ":warning:"
+            self._debug("%s (%s)", flow.comment, job.label)
+            return
         action = "http" if outcome.transport == "http" else "continue" if continued else "full"
         summary = "ws: sent over HTTP" if action == "http" else \
             _summary(outcome.previous_response_id, outcome.items_sent, turn.items_total)

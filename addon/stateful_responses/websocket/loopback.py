@@ -27,11 +27,18 @@ PATH_PREFIX = "/stateful-websocket/"
 class Answer:
     """The client's answer to one turn, written as it comes."""
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, writer: asyncio.StreamWriter, reader: asyncio.StreamReader | None = None) -> None:
         self._writer = writer
+        self._reader = reader
         self.started = False  # its head is written: the client may have bytes of it
         self.complete = False
         self.gone = False  # the connection broke: nobody listens any more
+
+    @property
+    def abandoned(self) -> bool:
+        """Whether nobody waits for the answer: the connection broke, or
+        mitmproxy closed it (its client went away)."""
+        return self.gone or (self._reader is not None and self._reader.at_eof())
 
     async def event(self, event_type: str | None, text: bytes) -> None:
         """One upstream event, as the HTTP API streams it."""
@@ -110,7 +117,7 @@ class Loopback:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while (token := await _read_request(reader)) is not None:
-                answer = Answer(writer)
+                answer = Answer(writer, reader)
                 await self._serve(token, answer)
                 if not answer.complete or answer.gone:
                     break

@@ -171,6 +171,37 @@ class Tip:
         return ItemSequence(root, digests[: self.length]).digests[-1] == self.digest
 
 
+def done_output(done_items: dict[int, msgspec.Raw]) -> list[msgspec.Raw] | None:
+    """The output items a turn's ``output_item.done`` events carried, in
+    order; None when one is missing (its index skipped): the turn's output is
+    then unknown."""
+    if sorted(done_items) != list(range(len(done_items))):
+        return None
+    return [done_items[i] for i in range(len(done_items))]
+
+
+_TOP_LEVEL = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
+
+
+def answered_response(response: msgspec.Raw, done_items: dict[int, msgspec.Raw]) -> bytes:
+    """The response object a JSON client gets: the terminal event's, with an
+    output it left empty filled from the done events, as the HTTP API's JSON
+    answer would hold it (servers that leave it empty still send every item
+    in ``output_item.done``); every other byte as the upstream sent it."""
+    raw = bytes(response)
+    if not done_items or (done := done_output(done_items)) is None:
+        return raw
+    try:
+        fields = _TOP_LEVEL.decode(raw)
+        output = _given(fields.get("output", _ABSENT))
+        if output is not None and _ITEMS.decode(output):
+            return raw
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return raw
+    return splice(raw, fields, {"output": b"[" + b",".join(bytes(item) for item in done) + b"]"})
+
+
 MAX_REMEMBERED_OUTPUTS = 1024  # output item ids a socket's chain keeps for item references
 
 
@@ -189,7 +220,10 @@ def tip_after(root: bytes, digests: list[bytes], response: msgspec.Raw | None, d
             return None
         output = answer.get("output")
         if not output and done_items:
-            output = [strict_loads(bytes(done_items[i])) for i in sorted(done_items)]
+            done = done_output(done_items)
+            if done is None:
+                return None
+            output = [strict_loads(bytes(item)) for item in done]
         if not isinstance(output, list) or not all(isinstance(item, dict) for item in output):
             return None
         output_digests = [item_digest(item) for item in output]

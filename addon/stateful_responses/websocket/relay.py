@@ -34,6 +34,7 @@ from .messages import (
     UNUSABLE_SOCKET_ERRORS,
     Event,
     Tip,
+    answered_response,
     echoed_previous,
     error_answer,
     read_event,
@@ -58,6 +59,7 @@ class Outcome:
     unverified: bool = False  # a continuation came back without its previous_response_id
     dropped: str | None = None  # why the client's stream was cut after it had bytes (the socket broke or fell silent)
     status: int | None = None  # the HTTP status the client got
+    abandoned: bool = False  # the client went away before any answer: the turn was not sent over HTTP
 
 
 @dataclass
@@ -69,7 +71,7 @@ class Turn:
     streamed: bool
     root: bytes
     digests: list[bytes]  # the request's whole input, item references resolved against the continued tip
-    full_message: bytes
+    whole: Callable[[], bytes]  # builds the message with the whole input (see full_message)
     items_total: int
     open_socket: Callable[[], Awaitable[UpstreamSocket]]
     over_http: Callable[[], Awaitable[HttpAnswer]]
@@ -79,6 +81,17 @@ class Turn:
     continued: Tip | None = None
     delta_message: bytes | None = None
     items_sent: int = 0
+    _full_message: bytes | None = field(default=None, repr=False)
+
+    @property
+    def full_message(self) -> bytes:
+        """The message with the whole input, built once it is to be sent (a
+        full turn, or a continuation's retry): for a long history it costs
+        tens of milliseconds of the event loop and the body's size in memory,
+        which a continuation answered at once never needs."""
+        if self._full_message is None:
+            self._full_message = self.whole()
+        return self._full_message
 
 
 @dataclass(frozen=True)
@@ -114,7 +127,7 @@ async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
                 await answer.end_stream()
             else:
                 assert exchange.response is not None
-                await answer.json(200, bytes(exchange.response))
+                await answer.json(200, answered_response(exchange.response, exchange.done_items))
             return outcome
         if exchange.kind == "silent" and not answer.started:
             outcome.retries.append(f"no event within {exchange.waited:g} s")
@@ -158,6 +171,11 @@ async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
         break
     # Over HTTP, the client's own request; a socket still open goes back to the pool.
     _release(pool, held, None)
+    if answer.abandoned:  # the client went away: over HTTP the turn would be made, and billed, for nobody
+        outcome.abandoned = True
+        turn.settle(outcome)
+        answer.drop()
+        return outcome
     outcome.transport = "http"
     outcome.items_sent = turn.items_total
     outcome.status, headers, body = await turn.over_http()
