@@ -471,3 +471,25 @@ def test_while_the_store_is_out_of_reach_a_conversation_request_goes_as_the_clie
     created = call(proxy, "POST", "/v1/conversations", {})
     assert created.json()["error"]["message"].startswith("Invalid URL")  # no id the store does not hold
     assert "Traceback" not in proxy.output() and "internal error" not in proxy.output()
+
+
+@pytest.mark.parametrize("upstream", WITHOUT_THE_API)
+def test_a_response_without_input_answers_from_the_conversations_items_alone(emulator, start_proxy, upstream):
+    """``input`` is optional: a response on a conversation without it (or
+    with it null) has the conversation's items for its whole context, as the
+    API makes it, instead of going upstream as sent, refused or answered from
+    nothing."""
+    emulator.model.control({"conversations": upstream})
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always")
+    client = sdk(proxy)
+    conversation = client.conversations.create(items=[{"role": "user", "content": "hello"}])
+    client.conversations.items.create(conversation.id, items=[{"role": "user", "content": "a note"}])
+    for body in ({"model": "m", "conversation": conversation.id}, {"model": "m", "conversation": conversation.id,
+                                                                    "input": None}):
+        before = listed(client, conversation.id)
+        answer = call(proxy, "POST", "/v1/responses", body)
+        assert answer.status_code == 200 and answer.json()["conversation"] == {"id": conversation.id}
+        seen = log(emulator)[-1]
+        assert seen["conversation"] is None and meaning(seen["context"]) == meaning(before)
+        assert listed(client, conversation.id) == before + seen["output"]  # only its output joins: it had no input
+    client.close()
