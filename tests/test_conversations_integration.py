@@ -493,3 +493,22 @@ def test_a_response_without_input_answers_from_the_conversations_items_alone(emu
         assert seen["conversation"] is None and meaning(seen["context"]) == meaning(before)
         assert listed(client, conversation.id) == before + seen["output"]  # only its output joins: it had no input
     client.close()
+
+
+def test_metadata_is_refused_as_the_api_refuses_it(emulator, start_proxy):
+    """At most 16 pairs, keys of at most 64 characters, values strings of at
+    most 512: the proxy's refusals are the API's (the emulator's, asked
+    directly), on create and on update, and a refused update changes nothing."""
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always")
+    own = call(proxy, "POST", "/v1/conversations", {"metadata": {"k" * 64: "v" * 512}}).json()
+    api = call(emulator, "POST", "/v1/conversations", {"metadata": {"k" * 64: "v" * 512}}).json()
+    assert own["metadata"] == api["metadata"] == {"k" * 64: "v" * 512}
+    for metadata in ({"k" * 65: "v"}, {"k": "v" * 513}, {"k": 1}, {"k": None}, {"k": {"v": "w"}},
+                     {f"k{n}": "v" for n in range(17)}):
+        for path in ("/v1/conversations", "/v1/conversations/{id}"):
+            refused = call(proxy, "POST", path.format(id=own["id"]), {"metadata": metadata})
+            expected = call(emulator, "POST", path.format(id=api["id"]), {"metadata": metadata})
+            assert (refused.status_code, refused.json()) == (expected.status_code, expected.json()) and \
+                expected.status_code == 400
+    assert call(proxy, "GET", f"/v1/conversations/{own['id']}").json() == own
+    assert [record for record in log(emulator)] == []  # nothing of it went upstream
