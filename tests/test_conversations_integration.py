@@ -512,3 +512,31 @@ def test_metadata_is_refused_as_the_api_refuses_it(emulator, start_proxy):
                 expected.status_code == 400
     assert call(proxy, "GET", f"/v1/conversations/{own['id']}").json() == own
     assert [record for record in log(emulator)] == []  # nothing of it went upstream
+
+
+@pytest.mark.parametrize("request_", ["delete item", "retrieve item", "list after", "add by id", "respond by id"])
+def test_auto_takes_the_apis_own_item_not_found_for_the_api(emulator, start_proxy, request_):
+    """An upstream with the API answers 404 for an item it does not hold: the
+    client gets that answer, and the upstream keeps its conversations, never
+    taken for one without the API (which would answer its conversations
+    "not found" from then on)."""
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=auto")
+    theirs = call(emulator, "POST", "/v1/conversations", {"items": [{"role": "user", "content": "hello"}]}).json()
+    method, path, body = {
+        "delete item": ("DELETE", f"/v1/conversations/{theirs['id']}/items/msg_unknown", None),
+        "retrieve item": ("GET", f"/v1/conversations/{theirs['id']}/items/msg_unknown", None),
+        "list after": ("GET", f"/v1/conversations/{theirs['id']}/items?after=msg_unknown", None),
+        "add by id": ("POST", f"/v1/conversations/{theirs['id']}/items", {"items": [{"type": "item_reference",
+                                                                                     "id": "msg_unknown"}]}),
+        "respond by id": ("POST", "/v1/responses", {"model": "m", "conversation": theirs["id"],
+                                                    "input": [{"type": "item_reference", "id": "msg_unknown"}]}),
+    }[request_]
+    refused = call(proxy, method, path, body)
+    expected = call(emulator, method, path, body)
+    assert (refused.status_code, refused.json()) == (expected.status_code, expected.json()) and \
+        expected.status_code == 404
+    answer = call(proxy, "POST", "/v1/responses", {"model": "m", "input": "more", "conversation": theirs["id"]})
+    assert answer.status_code == 200 and log(emulator)[-1]["conversation"] == theirs["id"]  # the upstream's own
+    assert call(proxy, "GET", f"/v1/conversations/{theirs['id']}/items").json() == \
+        call(emulator, "GET", f"/v1/conversations/{theirs['id']}/items").json()
+    assert "lacks the Conversations API" not in proxy.output()

@@ -641,6 +641,12 @@ class _InConversation:
     written: asyncio.Future | None = field(default=None, repr=False)
 
 
+def _names_an_unknown_item(body: bytes) -> bool:
+    """The API's 404 for an item id it does not hold: in the conversation
+    (``No item found with id …``), or referenced (``Item with id … not found.``)."""
+    return b"No item found with id '" in body or (b"Item with id '" in body and b"' not found." in body)
+
+
 def _api_answer(status: int, body: bytes) -> http.Response:
     return http.Response.make(status, body, {"Content-Type": "application/json"})
 
@@ -963,8 +969,9 @@ class ConversationEmulation:
             has = call.conversation_id in (echoed.get("id") if isinstance(echoed, dict) else None, echoed)
         elif status < 300:
             has = True
-        elif status == 404 and f"Conversation with id '{call.conversation_id}'".encode() in body:
-            has = True  # the API's own not found
+        elif status == 404 and (f"Conversation with id '{call.conversation_id}'".encode() in body
+                                or _names_an_unknown_item(body)):
+            has = True  # the API's own not found, of the conversation or of an item
         elif status in (404, 405) or (call.endpoint == "response" and b"conversation" in body.lower()):
             has = False
         else:
