@@ -540,3 +540,20 @@ def test_auto_takes_the_apis_own_item_not_found_for_the_api(emulator, start_prox
     assert call(proxy, "GET", f"/v1/conversations/{theirs['id']}/items").json() == \
         call(emulator, "GET", f"/v1/conversations/{theirs['id']}/items").json()
     assert "lacks the Conversations API" not in proxy.output()
+
+
+def test_auto_takes_the_apis_conversation_locked_for_the_api(emulator, start_proxy):
+    """OpenAI refuses a response while another is being made in the same
+    conversation (400 ``conversation_locked``, its message naming the
+    conversation): the client gets that refusal to retry, and the upstream is
+    never taken for one without the API."""
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=auto")
+    theirs = call(emulator, "POST", "/v1/conversations", {"items": [{"role": "user", "content": "hello"}]}).json()
+    locked = {"kind": "reject", "status": 400, "code": "conversation_locked",
+              "message": "Another process is currently operating on this conversation. Please retry in a few seconds."}
+    emulator.model.control({"fail_next": [locked]})
+    refused = call(proxy, "POST", "/v1/responses", {"model": "m", "input": "more", "conversation": theirs["id"]})
+    assert (refused.status_code, refused.json()["error"]["code"]) == (400, "conversation_locked")
+    answer = call(proxy, "POST", "/v1/responses", {"model": "m", "input": "again", "conversation": theirs["id"]})
+    assert answer.status_code == 200 and [r["conversation"] for r in log(emulator)] == [theirs["id"]] * 2
+    assert "lacks the Conversations API" not in proxy.output()

@@ -972,6 +972,8 @@ class ConversationEmulation:
         elif status == 404 and (f"Conversation with id '{call.conversation_id}'".encode() in body
                                 or _names_an_unknown_item(body)):
             has = True  # the API's own not found, of the conversation or of an item
+        elif status == 400 and b'"conversation_locked"' in body:
+            has = True  # the API's own: another response is being made in the conversation
         elif status in (404, 405) or (call.endpoint == "response" and b"conversation" in body.lower()):
             has = False
         else:
