@@ -557,3 +557,19 @@ def test_auto_takes_the_apis_conversation_locked_for_the_api(emulator, start_pro
     answer = call(proxy, "POST", "/v1/responses", {"model": "m", "input": "again", "conversation": theirs["id"]})
     assert answer.status_code == 200 and [r["conversation"] for r in log(emulator)] == [theirs["id"]] * 2
     assert "lacks the Conversations API" not in proxy.output()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_auto_learns_nothing_from_an_answer_that_is_no_response(emulator, start_proxy, stream):
+    """A 200 that holds no response (a gateway's HTML page) says nothing of
+    the API: the client gets it as it came, and the upstream's conversations
+    stay the upstream's."""
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=auto")
+    theirs = call(emulator, "POST", "/v1/conversations", {"items": [{"role": "user", "content": "hello"}]}).json()
+    emulator.model.control({"fail_next": [{"kind": "html"}]})
+    page = call(proxy, "POST", "/v1/responses", {"model": "m", "input": "x", "stream": stream,
+                                                 "conversation": theirs["id"]})
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    answer = call(proxy, "POST", "/v1/responses", {"model": "m", "input": "again", "conversation": theirs["id"]})
+    assert answer.status_code == 200 and log(emulator)[-1]["conversation"] == theirs["id"]
+    assert "lacks the Conversations API" not in proxy.output()

@@ -965,7 +965,9 @@ class ConversationEmulation:
             reader = AnswerReader(flow.response.headers.get("content-type", ""), "")
             reader.feed(body)
             answer = reader.finish()
-            echoed = answer.get("conversation") if isinstance(answer, dict) else None
+            if not isinstance(answer, dict):
+                return  # no response to read (a gateway's page, a stream cut short): says nothing about the API
+            echoed = answer.get("conversation")
             has = call.conversation_id in (echoed.get("id") if isinstance(echoed, dict) else None, echoed)
         elif status < 300:
             has = True
