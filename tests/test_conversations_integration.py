@@ -573,3 +573,18 @@ def test_auto_learns_nothing_from_an_answer_that_is_no_response(emulator, start_
     answer = call(proxy, "POST", "/v1/responses", {"model": "m", "input": "again", "conversation": theirs["id"]})
     assert answer.status_code == 200 and log(emulator)[-1]["conversation"] == theirs["id"]
     assert "lacks the Conversations API" not in proxy.output()
+
+
+def test_a_streamed_answer_names_its_conversation_where_the_upstream_would_compress_it(emulator, start_proxy):
+    """An upstream that gzips what the client accepts gzipped: a stream the
+    proxy names its conversation in, event by event, is asked for plain (the
+    client always accepts that), so that the SDK's response names it too."""
+    emulator.model.control({"conversations": "absent", "gzip": True})
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always")
+    client = sdk(proxy)
+    conversation = client.conversations.create(items=[{"role": "user", "content": "hello"}])
+    for stream in (True, False):
+        response = respond(client, stream, model="m", input="x", conversation=conversation.id)
+        assert response.conversation is not None and response.conversation.id == conversation.id
+    assert len(listed(client, conversation.id)) == 5
+    client.close()

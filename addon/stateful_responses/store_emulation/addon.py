@@ -810,6 +810,8 @@ class ConversationEmulation:
         await self.conversations.renew(conversation)
         self.state.flush()
         flow.request.content = record.expanded
+        if reading.fields.get("stream") is not None and bytes(reading.fields["stream"]) == b"true":
+            flow.request.headers["accept-encoding"] = "identity"  # a compressed stream's events could not name it
         flow.metadata[CLIENT_BODY] = client.raw_content
         flow.metadata[CONVERSATION] = {"id": conversation.id, "items": len(conversation.items),
                                        "reasoning_dropped": dropped}
