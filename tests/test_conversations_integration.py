@@ -471,3 +471,120 @@ def test_while_the_store_is_out_of_reach_a_conversation_request_goes_as_the_clie
     created = call(proxy, "POST", "/v1/conversations", {})
     assert created.json()["error"]["message"].startswith("Invalid URL")  # no id the store does not hold
     assert "Traceback" not in proxy.output() and "internal error" not in proxy.output()
+
+
+@pytest.mark.parametrize("upstream", WITHOUT_THE_API)
+def test_a_response_without_input_answers_from_the_conversations_items_alone(emulator, start_proxy, upstream):
+    """``input`` is optional: a response on a conversation without it (or
+    with it null) has the conversation's items for its whole context, as the
+    API makes it, instead of going upstream as sent, refused or answered from
+    nothing."""
+    emulator.model.control({"conversations": upstream})
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always")
+    client = sdk(proxy)
+    conversation = client.conversations.create(items=[{"role": "user", "content": "hello"}])
+    client.conversations.items.create(conversation.id, items=[{"role": "user", "content": "a note"}])
+    for body in ({"model": "m", "conversation": conversation.id}, {"model": "m", "conversation": conversation.id,
+                                                                    "input": None}):
+        before = listed(client, conversation.id)
+        answer = call(proxy, "POST", "/v1/responses", body)
+        assert answer.status_code == 200 and answer.json()["conversation"] == {"id": conversation.id}
+        seen = log(emulator)[-1]
+        assert seen["conversation"] is None and meaning(seen["context"]) == meaning(before)
+        assert listed(client, conversation.id) == before + seen["output"]  # only its output joins: it had no input
+    client.close()
+
+
+def test_metadata_is_refused_as_the_api_refuses_it(emulator, start_proxy):
+    """At most 16 pairs, keys of at most 64 characters, values strings of at
+    most 512: the proxy's refusals are the API's (the emulator's, asked
+    directly), on create and on update, and a refused update changes nothing."""
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always")
+    own = call(proxy, "POST", "/v1/conversations", {"metadata": {"k" * 64: "v" * 512}}).json()
+    api = call(emulator, "POST", "/v1/conversations", {"metadata": {"k" * 64: "v" * 512}}).json()
+    assert own["metadata"] == api["metadata"] == {"k" * 64: "v" * 512}
+    for metadata in ({"k" * 65: "v"}, {"k": "v" * 513}, {"k": 1}, {"k": None}, {"k": {"v": "w"}},
+                     {f"k{n}": "v" for n in range(17)}):
+        for path in ("/v1/conversations", "/v1/conversations/{id}"):
+            refused = call(proxy, "POST", path.format(id=own["id"]), {"metadata": metadata})
+            expected = call(emulator, "POST", path.format(id=api["id"]), {"metadata": metadata})
+            assert (refused.status_code, refused.json()) == (expected.status_code, expected.json()) and \
+                expected.status_code == 400
+    assert call(proxy, "GET", f"/v1/conversations/{own['id']}").json() == own
+    assert [record for record in log(emulator)] == []  # nothing of it went upstream
+
+
+@pytest.mark.parametrize("request_", ["delete item", "retrieve item", "list after", "add by id", "respond by id"])
+def test_auto_takes_the_apis_own_item_not_found_for_the_api(emulator, start_proxy, request_):
+    """An upstream with the API answers 404 for an item it does not hold: the
+    client gets that answer, and the upstream keeps its conversations, never
+    taken for one without the API (which would answer its conversations
+    "not found" from then on)."""
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=auto")
+    theirs = call(emulator, "POST", "/v1/conversations", {"items": [{"role": "user", "content": "hello"}]}).json()
+    method, path, body = {
+        "delete item": ("DELETE", f"/v1/conversations/{theirs['id']}/items/msg_unknown", None),
+        "retrieve item": ("GET", f"/v1/conversations/{theirs['id']}/items/msg_unknown", None),
+        "list after": ("GET", f"/v1/conversations/{theirs['id']}/items?after=msg_unknown", None),
+        "add by id": ("POST", f"/v1/conversations/{theirs['id']}/items", {"items": [{"type": "item_reference",
+                                                                                     "id": "msg_unknown"}]}),
+        "respond by id": ("POST", "/v1/responses", {"model": "m", "conversation": theirs["id"],
+                                                    "input": [{"type": "item_reference", "id": "msg_unknown"}]}),
+    }[request_]
+    refused = call(proxy, method, path, body)
+    expected = call(emulator, method, path, body)
+    assert (refused.status_code, refused.json()) == (expected.status_code, expected.json()) and \
+        expected.status_code == 404
+    answer = call(proxy, "POST", "/v1/responses", {"model": "m", "input": "more", "conversation": theirs["id"]})
+    assert answer.status_code == 200 and log(emulator)[-1]["conversation"] == theirs["id"]  # the upstream's own
+    assert call(proxy, "GET", f"/v1/conversations/{theirs['id']}/items").json() == \
+        call(emulator, "GET", f"/v1/conversations/{theirs['id']}/items").json()
+    assert "lacks the Conversations API" not in proxy.output()
+
+
+def test_auto_takes_the_apis_conversation_locked_for_the_api(emulator, start_proxy):
+    """OpenAI refuses a response while another is being made in the same
+    conversation (400 ``conversation_locked``, its message naming the
+    conversation): the client gets that refusal to retry, and the upstream is
+    never taken for one without the API."""
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=auto")
+    theirs = call(emulator, "POST", "/v1/conversations", {"items": [{"role": "user", "content": "hello"}]}).json()
+    locked = {"kind": "reject", "status": 400, "code": "conversation_locked",
+              "message": "Another process is currently operating on this conversation. Please retry in a few seconds."}
+    emulator.model.control({"fail_next": [locked]})
+    refused = call(proxy, "POST", "/v1/responses", {"model": "m", "input": "more", "conversation": theirs["id"]})
+    assert (refused.status_code, refused.json()["error"]["code"]) == (400, "conversation_locked")
+    answer = call(proxy, "POST", "/v1/responses", {"model": "m", "input": "again", "conversation": theirs["id"]})
+    assert answer.status_code == 200 and [r["conversation"] for r in log(emulator)] == [theirs["id"]] * 2
+    assert "lacks the Conversations API" not in proxy.output()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_auto_learns_nothing_from_an_answer_that_is_no_response(emulator, start_proxy, stream):
+    """A 200 that holds no response (a gateway's HTML page) says nothing of
+    the API: the client gets it as it came, and the upstream's conversations
+    stay the upstream's."""
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=auto")
+    theirs = call(emulator, "POST", "/v1/conversations", {"items": [{"role": "user", "content": "hello"}]}).json()
+    emulator.model.control({"fail_next": [{"kind": "html"}]})
+    page = call(proxy, "POST", "/v1/responses", {"model": "m", "input": "x", "stream": stream,
+                                                 "conversation": theirs["id"]})
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    answer = call(proxy, "POST", "/v1/responses", {"model": "m", "input": "again", "conversation": theirs["id"]})
+    assert answer.status_code == 200 and log(emulator)[-1]["conversation"] == theirs["id"]
+    assert "lacks the Conversations API" not in proxy.output()
+
+
+def test_a_streamed_answer_names_its_conversation_where_the_upstream_would_compress_it(emulator, start_proxy):
+    """An upstream that gzips what the client accepts gzipped: a stream the
+    proxy names its conversation in, event by event, is asked for plain (the
+    client always accepts that), so that the SDK's response names it too."""
+    emulator.model.control({"conversations": "absent", "gzip": True})
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always")
+    client = sdk(proxy)
+    conversation = client.conversations.create(items=[{"role": "user", "content": "hello"}])
+    for stream in (True, False):
+        response = respond(client, stream, model="m", input="x", conversation=conversation.id)
+        assert response.conversation is not None and response.conversation.id == conversation.id
+    assert len(listed(client, conversation.id)) == 5
+    client.close()

@@ -93,6 +93,27 @@ def test_at_most_16_metadata_pairs(emulator, path):
         "type": "invalid_request_error", "param": "metadata", "code": "object_above_max_properties"}
 
 
+@pytest.mark.parametrize("path", ["/v1/conversations", "/v1/conversations/{id}"])
+def test_metadata_keys_are_at_most_64_characters_and_values_strings_of_at_most_512(emulator, path):
+    created = request(emulator, "POST", "/v1/conversations", {}).json()
+    path = path.format(id=created["id"])
+    assert request(emulator, "POST", path, {"metadata": {"k" * 64: "v" * 512}}).json()["metadata"] == {
+        "k" * 64: "v" * 512}
+    assert api_error(request(emulator, "POST", path, {"metadata": {"k" * 65: "v"}}), 400) == {
+        "message": "Invalid 'metadata': key too long. Expected a key with maximum length 64, but got a key with"
+                   " length 65 instead.",
+        "type": "invalid_request_error", "param": "metadata", "code": "key_above_max_length"}
+    assert api_error(request(emulator, "POST", path, {"metadata": {"k": "v" * 513}}), 400) == {
+        "message": "Invalid 'metadata.k': string too long. Expected a string with maximum length 512, but got a"
+                   " string with length 513 instead.",
+        "type": "invalid_request_error", "param": "metadata.k", "code": "string_above_max_length"}
+    assert api_error(request(emulator, "POST", path, {"metadata": {"k": 1}}), 400) == {
+        "message": "Invalid type for 'metadata.k': expected a string, but got an integer instead.",
+        "type": "invalid_request_error", "param": "metadata.k", "code": "invalid_type"}
+    assert request(emulator, "GET", f"/v1/conversations/{created['id']}").json()["metadata"] == (
+        {"k" * 64: "v" * 512} if path.endswith(created["id"]) else {})  # a refused change changes nothing
+
+
 @pytest.mark.parametrize("path", ["/v1/conversations", "/v1/conversations/{id}/items"])
 def test_at_most_20_items_a_request(emulator, path):
     created = request(emulator, "POST", "/v1/conversations", {}).json()

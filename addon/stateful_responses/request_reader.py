@@ -220,7 +220,9 @@ class Reader:
         if in_conversation and not conversations:
             return Skip("client uses a conversation", upstream, model)
         try:
-            raw_items, digests = self._items(body.get("input"))
+            # In a conversation ``input`` is optional (absent or null): the conversation's items are the context.
+            raw_items, digests = ([], []) if in_conversation and not _present(body, "input") \
+                else self._items(body.get("input"))
             if not _unambiguous_top_level(request.body, body) or not self._unambiguous_fields(body):
                 raise Ambiguous("top level")
         except Ambiguous:

@@ -82,6 +82,17 @@ def too_many_properties(param: str, maximum: int, count: int) -> APIError:
                     param=param, code="object_above_max_properties")
 
 
+def string_too_long(param: str, maximum: int, length: int) -> APIError:
+    return APIError(400, f"Invalid '{param}': string too long. Expected a string with maximum length {maximum},"
+                         f" but got a string with length {length} instead.", param=param,
+                    code="string_above_max_length")
+
+
+def key_too_long(param: str, maximum: int, length: int) -> APIError:
+    return APIError(400, f"Invalid '{param}': key too long. Expected a key with maximum length {maximum},"
+                         f" but got a key with length {length} instead.", param=param, code="key_above_max_length")
+
+
 def invalid_input_type() -> APIError:
     return APIError(400, "Invalid type for 'input': expected one of a string or array of input items.",
                     param="input", code="invalid_type")

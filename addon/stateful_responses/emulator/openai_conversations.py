@@ -20,6 +20,8 @@ from .shapes import is_item_reference, item_list, listed_item, new_id, page_para
 
 MAX_ITEMS_PER_REQUEST = 20  # on create and on adding items
 MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64  # characters (the API reference's limits)
+MAX_METADATA_VALUE = 512
 INCLUDE_ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 
@@ -197,13 +199,21 @@ def _object_body(body: Any) -> dict:
 
 
 def _metadata(value: Any) -> dict:
-    """Metadata as the API takes it: an object of at most 16 pairs; null is none."""
+    """Metadata as the API takes it: an object of at most 16 pairs, keys of
+    at most 64 characters, values strings of at most 512; null is none."""
     if value is None:
         return {}
     if not isinstance(value, dict):
         raise errors.invalid_type("metadata", "a metadata object", value)
     if len(value) > MAX_METADATA_PAIRS:
         raise errors.too_many_properties("metadata", MAX_METADATA_PAIRS, len(value))
+    for key, text in value.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise errors.key_too_long("metadata", MAX_METADATA_KEY, len(key))
+        if not isinstance(text, str):
+            raise errors.invalid_type(f"metadata.{key}", "a string", text)
+        if len(text) > MAX_METADATA_VALUE:
+            raise errors.string_too_long(f"metadata.{key}", MAX_METADATA_VALUE, len(text))
     return dict(value)
 
 

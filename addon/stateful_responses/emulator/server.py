@@ -145,10 +145,15 @@ class _Handler(BaseHTTPRequestHandler):
                 time.sleep(ahead)
         return bytes(body)
 
+    def _gzips(self) -> bool:
+        """Answers go gzipped when set and the client accepts gzip, as servers do."""
+        accepted = {part.split(";")[0].strip().lower() for part in self.headers.get("accept-encoding", "").split(",")}
+        return self.model.faults.gzip and "gzip" in accepted
+
     def _send_json(self, status: int, payload: Any) -> None:
         data = json.dumps(payload).encode()
         headers = {"content-type": "application/json"}
-        if self.model.faults.gzip and status < 400:
+        if self._gzips() and status < 400:
             data = gzip.compress(data)
             headers["content-encoding"] = "gzip"
         self.send_response(status)
@@ -351,7 +356,7 @@ class _Handler(BaseHTTPRequestHandler):
         resets the connection, an ``end`` fault ends the stream there."""
         faults = self.model.faults
         kind, after = (fault or {}).get("kind"), (fault or {}).get("after_events", 0)
-        compress = zlib.compressobj(wbits=16 + zlib.MAX_WBITS) if faults.gzip else None
+        compress = zlib.compressobj(wbits=16 + zlib.MAX_WBITS) if self._gzips() else None
         self.send_response(200)
         self.send_header("content-type", content_type)
         self.send_header("transfer-encoding", "chunked")

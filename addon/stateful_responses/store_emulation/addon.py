@@ -641,6 +641,12 @@ class _InConversation:
     written: asyncio.Future | None = field(default=None, repr=False)
 
 
+def _names_an_unknown_item(body: bytes) -> bool:
+    """The API's 404 for an item id it does not hold: in the conversation
+    (``No item found with id …``), or referenced (``Item with id … not found.``)."""
+    return b"No item found with id '" in body or (b"Item with id '" in body and b"' not found." in body)
+
+
 def _api_answer(status: int, body: bytes) -> http.Response:
     return http.Response.make(status, body, {"Content-Type": "application/json"})
 
@@ -804,6 +810,8 @@ class ConversationEmulation:
         await self.conversations.renew(conversation)
         self.state.flush()
         flow.request.content = record.expanded
+        if reading.fields.get("stream") is not None and bytes(reading.fields["stream"]) == b"true":
+            flow.request.headers["accept-encoding"] = "identity"  # a compressed stream's events could not name it
         flow.metadata[CLIENT_BODY] = client.raw_content
         flow.metadata[CONVERSATION] = {"id": conversation.id, "items": len(conversation.items),
                                        "reasoning_dropped": dropped}
@@ -959,12 +967,17 @@ class ConversationEmulation:
             reader = AnswerReader(flow.response.headers.get("content-type", ""), "")
             reader.feed(body)
             answer = reader.finish()
-            echoed = answer.get("conversation") if isinstance(answer, dict) else None
+            if not isinstance(answer, dict):
+                return  # no response to read (a gateway's page, a stream cut short): says nothing about the API
+            echoed = answer.get("conversation")
             has = call.conversation_id in (echoed.get("id") if isinstance(echoed, dict) else None, echoed)
         elif status < 300:
             has = True
-        elif status == 404 and f"Conversation with id '{call.conversation_id}'".encode() in body:
-            has = True  # the API's own not found
+        elif status == 404 and (f"Conversation with id '{call.conversation_id}'".encode() in body
+                                or _names_an_unknown_item(body)):
+            has = True  # the API's own not found, of the conversation or of an item
+        elif status == 400 and b'"conversation_locked"' in body:
+            has = True  # the API's own: another response is being made in the conversation
         elif status in (404, 405) or (call.endpoint == "response" and b"conversation" in body.lower()):
             has = False
         else:

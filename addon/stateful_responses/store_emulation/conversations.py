@@ -52,6 +52,8 @@ from .turns import Tenant
 CONVERSATIONS = "conversations"  # conversation key -> its log (see state.storage)
 MAX_ITEMS_PER_REQUEST = 20  # the API's limit on creating and on adding items
 MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64  # characters (the API reference's limits)
+MAX_METADATA_VALUE = 512
 MAX_ITEMS = 10_000  # items one conversation holds at most (the proxy's bound, not the API's)
 MAX_ENTRIES = 20_000  # entries of one conversation's log at most: its appends, removals and metadata changes
 PREFETCH = 32  # log entries asked for with the length, on the chance they are there (one round trip)
@@ -781,7 +783,8 @@ def _object(body: bytes) -> dict:
 
 
 def _metadata(value: Any) -> bytes:
-    """Metadata as the API takes it: an object of at most 16 pairs; null is none."""
+    """Metadata as the API takes it: an object of at most 16 pairs, keys of
+    at most 64 characters, values strings of at most 512; null is none."""
     if value is None:
         return b"{}"
     if not isinstance(value, dict):
@@ -790,6 +793,17 @@ def _metadata(value: Any) -> bytes:
         raise ApiError(400, f"Invalid 'metadata': too many properties. Expected an object with at most "
                             f"{MAX_METADATA_PAIRS} properties, but got an object with {len(value)} properties "
                             "instead.", "metadata", "object_above_max_properties")
+    for key, text in value.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise ApiError(400, f"Invalid 'metadata': key too long. Expected a key with maximum length "
+                                f"{MAX_METADATA_KEY}, but got a key with length {len(key)} instead.", "metadata",
+                           "key_above_max_length")
+        if not isinstance(text, str):
+            raise invalid_type(f"metadata.{key}", "a string", text)
+        if len(text) > MAX_METADATA_VALUE:
+            raise ApiError(400, f"Invalid 'metadata.{key}': string too long. Expected a string with maximum length "
+                                f"{MAX_METADATA_VALUE}, but got a string with length {len(text)} instead.",
+                           f"metadata.{key}", "string_above_max_length")
     return _JSON(value)
 
 
