@@ -160,6 +160,9 @@ ERROR_CASES = {
                                                            "previous_response_id": "resp_nope"}, "sk-a", 400),
     "unknown item reference": ("POST", "/v1/responses", {"model": "m", "input": [{"type": "item_reference",
                                                                                   "id": "msg_nope"}]}, "sk-a", 404),
+    "an item id twice in the input": ("POST", "/v1/responses", {"model": "m", "input": [
+        {"type": "message", "role": "user", "id": "msg_twice", "content": "a"},
+        {"type": "message", "role": "user", "id": "msg_twice", "content": "b"}]}, "sk-a", 400),
     "unknown response": ("GET", "/v1/responses/resp_nope", None, "sk-a", 404),
     "unknown response's input items": ("GET", "/v1/responses/resp_nope/input_items", None, "sk-a", 404),
     "deleting an unknown response": ("DELETE", "/v1/responses/resp_nope", None, "sk-a", 404),
@@ -268,6 +271,31 @@ def test_a_response_in_a_conversation_conforms(emulator, stream):
     for response in responses:
         sdk_conforms(sdk_response.Conversation, json.dumps(response["conversation"]))
         assert response["conversation"] == {"id": conversation["id"]}
+
+
+def test_a_duplicate_item_is_refused_in_the_apis_exact_body(emulator):
+    """An input item whose id the input already holds, or (in a conversation)
+    the conversation already holds, references resolved: 400, as public
+    captures of the API record it; an item given back once outside a
+    conversation is no duplicate."""
+    def duplicate(item_id: str) -> dict:
+        return {"message": f"Duplicate item found with id {item_id}. Remove duplicate items from your input and try"
+                           " again.", "type": "invalid_request_error", "param": "input", "code": None}
+
+    done = request(emulator, "POST", "/v1/responses", {"model": "m", "input": "x"}).json()
+    output = done["output"][0]
+    twice = request(emulator, "POST", "/v1/responses", {"model": "m", "input": [
+        output, {"type": "item_reference", "id": output["id"]}]})
+    assert error_conforms(twice, 400) == duplicate(output["id"])
+    once = request(emulator, "POST", "/v1/responses", {"model": "m", "input": [output, {"role": "user",
+                                                                                        "content": "y"}]})
+    assert once.status_code == 200 and once.json()["status"] == "completed"
+    conversation = request(emulator, "POST", "/v1/conversations", {}).json()
+    joined = request(emulator, "POST", "/v1/responses", {"model": "m", "input": "x",
+                                                         "conversation": conversation["id"]}).json()
+    again = request(emulator, "POST", "/v1/responses", {"model": "m", "input": [joined["output"][0]],
+                                                        "conversation": conversation["id"], "stream": True})
+    assert error_conforms(again, 400) == duplicate(joined["output"][0]["id"])
 
 
 def test_conversations_objects_conform_to_the_openai_sdk_types(emulator):

@@ -223,6 +223,64 @@ def test_an_item_given_by_a_stored_id_is_the_stored_item_and_cannot_be_added_twi
     client.close()
 
 
+def duplicate(item_id: str) -> dict:
+    return {"message": f"Duplicate item found with id {item_id}. Remove duplicate items from your input and try"
+                       " again.", "type": "invalid_request_error", "param": "input", "code": None}
+
+
+def walked(client: openai.OpenAI, conversation_id: str, limit: int) -> list[str]:
+    """The ids the SDK's auto-paging lists, oldest first, ``limit`` a page; cut
+    at 50, so that a pager that never ends fails the test instead of hanging it."""
+    pager = client.conversations.items.list(conversation_id, order="asc", limit=limit)
+    return [item.id for item in itertools.islice(pager, 50)]
+
+
+def test_an_item_given_twice_in_one_request_is_kept_twice_and_paging_over_it_ends(emulator):
+    """The API takes a stored id twice in one request and lists both copies;
+    paging by ``after`` over them still advances and ends, listing each copy
+    it can tell apart from the next page's cursor."""
+    client = sdk(emulator)
+    source = client.conversations.create(items=[{"role": "user", "content": "original"}])
+    twice = client.conversations.items.list(source.id).data[0]
+    target = client.conversations.create(items=[{"role": "user", "content": "first"}])
+    copy = {"type": "message", "role": "user", "id": twice.id, "content": "other text"}
+    added = client.conversations.items.create(target.id, items=[copy, {"role": "user", "content": "between"},
+                                                                 copy])
+    assert [item.id for item in added.data] == [twice.id, added.data[1].id, twice.id]
+    assert added.data[0] == added.data[2] == twice
+    first, between = client.conversations.items.list(target.id, order="asc").data[0].id, added.data[1].id
+    assert walked(client, target.id, 100) == [first, twice.id, between, twice.id]
+    assert walked(client, target.id, 2) == [first, twice.id, between, twice.id]
+    assert walked(client, target.id, 1) == [first, between, twice.id]  # a page of one never ends on the first copy
+    page = client.conversations.items.list(target.id, order="asc", limit=1, after=twice.id)
+    assert (page.data, page.has_more) == ([], False)  # past the last copy: the end, never the start again
+    client.close()
+
+
+def test_an_item_already_in_the_conversation_or_twice_in_the_input_is_refused_as_the_api_refuses(emulator):
+    """What an SDK that sends back the output it got does: the API's 400,
+    and the conversation is unchanged."""
+    client = sdk(emulator)
+    conversation = client.conversations.create(items=[{"role": "user", "content": "hello"}])
+    answered = client.responses.create(model="m", input="hi", conversation=conversation.id)
+    before = listed(client, conversation.id)
+    sent_back = answered.output[0].model_dump(exclude_unset=True)
+    for item_input, named in (([{"role": "user", "content": "more"}, sent_back], sent_back["id"]),
+                              ([{"type": "item_reference", "id": before[0]["id"]}], before[0]["id"]),
+                              ([{"type": "message", "role": "user", "id": "msg_own", "content": "a"},
+                                {"type": "message", "role": "user", "id": "msg_own", "content": "b"}], "msg_own")):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.responses.create(model="m", input=item_input, conversation=conversation.id, stream=stream)
+            assert refused.value.body == duplicate(named)
+    assert listed(client, conversation.id) == before
+    again = client.responses.create(model="m", input=[{"role": "user", "content": "more"}],
+                                    conversation=conversation.id)
+    assert [item["id"] for item in listed(client, conversation.id)][:len(before)] == [i["id"] for i in before]
+    assert again.status == "completed" and records(emulator)[-1]["context"][:len(before)] == before
+    client.close()
+
+
 def test_a_reasoning_item_with_neither_id_nor_encrypted_content_is_invalid(emulator):
     created = request(emulator, "POST", "/v1/conversations", {}).json()
     answer = request(emulator, "POST", f"/v1/conversations/{created['id']}/items",

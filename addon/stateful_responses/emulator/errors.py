@@ -135,6 +135,13 @@ def item_already_in_conversation() -> APIError:
     return APIError(400, "Item already in conversation", param="items", code="item_already_in_conversation")
 
 
+def duplicate_item(item_id: str) -> APIError:
+    """An input item whose id is already in the conversation, or twice in the input (public captures of the live
+    API record this wording; docs/emulator.md names them)."""
+    return APIError(400, f"Duplicate item found with id {item_id}. Remove duplicate items from your input and try"
+                         " again.", param="input")
+
+
 def invalid_item() -> APIError:
     """A conversation item the API cannot keep (a reasoning item with neither id nor encrypted content)."""
     return APIError(400, "Invalid item", param="item", code="invalid_item")

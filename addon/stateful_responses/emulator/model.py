@@ -275,6 +275,8 @@ class ResponsesModel:
         if socket is not None:
             record["hydrated"] = parent is not None and parent is not socket.latest
         items, references = self._resolve_references(credential, items, store is not False)
+        if self.faults.stateless is None:
+            _refuse_duplicates(items, conversation.items if conversation else [])
         fault = f.take(continued=parent is not None, protocol=RESPONSES,
                        kinds=SOCKET_FAULTS if socket is not None else None)
         kind = fault.get("kind") if fault else None
@@ -588,6 +590,19 @@ def _append_completed(conversation: StoredConversation | None, own_items: list, 
     conversation in one step (the caller holds the model's lock)."""
     if conversation is not None and response["status"] == "completed":
         conversation.items.extend(own_items + response["output"])
+
+
+def _refuse_duplicates(items: list, present: list) -> None:
+    """The API's 400 for an input item whose id is already in the conversation
+    (``present``) or earlier in the input, references resolved: no id is in a
+    context twice."""
+    seen = {item["id"] for item in present}
+    for item in items:
+        item_id = item.get("id")
+        if isinstance(item_id, str) and item_id:
+            if item_id in seen:
+                raise errors.duplicate_item(item_id)
+            seen.add(item_id)
 
 
 def _conversation_id(named: Any) -> Any:

@@ -128,15 +128,13 @@ class OpenAIConversations:
         query = dict(call.query)
         limit, order = page_parameters(query)
         items = conversation.items if order == "asc" else conversation.items[::-1]
-        start = 0
-        if "after" in query:
-            ids = [item["id"] for item in items]
-            if query["after"] not in ids:
-                raise errors.no_item_found(query["after"], param="after")
-            start = ids.index(query["after"]) + 1
+        ids = [item["id"] for item in items]
+        if "after" in query and query["after"] not in ids:
+            raise errors.no_item_found(query["after"], param="after")
+        start, end = page_bounds(ids, query.get("after"), limit)
         include = _include(call.query)
-        page = [_shown(item, include) for item in items[start:start + limit]]
-        return item_list(page, has_more=len(items) > start + limit)
+        page = [_shown(item, include) for item in items[start:end]]
+        return item_list(page, has_more=len(items) > end)
 
     def retrieve_item(self, credential: str, call: ConversationsCall) -> dict:
         conversation = self.get(credential, call.conversation_id)
@@ -190,6 +188,30 @@ class OpenAIConversations:
         elif item.get("type") == "reasoning" and not item.get("encrypted_content"):
             raise errors.invalid_item()
         return listed_item(item)
+
+
+def page_bounds(ids: list[str], after: str | None, limit: int) -> tuple[int, int]:
+    """Where a page of the listed ``ids`` starts and ends, so that paging by
+    ``after`` always advances and ends, even over an id listed twice (an
+    item added twice by one request): ``after`` names the id's last place,
+    and a page ends only on an id's last place. It stops short of an
+    earlier copy, or, when only earlier copies fit, starts past them (each
+    is listed again further on)."""
+    last = {item_id: place for place, item_id in enumerate(ids)}
+
+    def end_from(start: int) -> int:
+        end = min(start + limit, len(ids))
+        while end > start and last[ids[end - 1]] != end - 1:
+            end -= 1
+        return end
+
+    start = last[after] + 1 if after is not None else 0
+    end = end_from(start)
+    if end == start < len(ids):
+        while last[ids[start]] != start:
+            start += 1
+        end = end_from(start)
+    return start, end
 
 
 def _object_body(body: Any) -> dict:
