@@ -14,7 +14,14 @@ from stateful_responses.state.outbox import apply_writes
 from stateful_responses.state.storage import log_entry, log_length
 from stateful_responses.state.storage.memory import MemoryStorage
 from stateful_responses.store_emulation import conversations as module
-from stateful_responses.store_emulation.conversations import CONVERSATIONS, Call, Conversations, listed
+from stateful_responses.store_emulation.conversations import (
+    CONVERSATIONS,
+    ApiError,
+    Call,
+    Conversations,
+    listed,
+    refuse_duplicates,
+)
 from stateful_responses.store_emulation.turns import Tenant
 
 SECRET = bytes(32)
@@ -332,6 +339,59 @@ async def test_a_removed_item_id_added_again_stays_and_removals_replay_in_the_st
     await replica.flush()
     for reader in (replica, Replica(storage)):  # read on from memory, and cold
         assert [item.id for item in (await reader.find(conversation_id)).items] == [third.id, second.id]
+
+
+async def walked(replica: Replica, conversation_id: str, order: str, limit: int) -> list[list[str]]:
+    """The pages a client following ``after`` and ``has_more`` lists, as ids;
+    cut at 20 pages, so that paging that never ends fails instead of hanging."""
+    pages, after = [], ()
+    for _ in range(20):
+        status, page = await replica.call("list_items", conversation_id=conversation_id,
+                                          query=(("order", order), ("limit", str(limit)), *after))
+        assert status == 200, page
+        pages.append([item["id"] for item in page["data"]])
+        if not page["has_more"]:
+            return pages
+        after = (("after", page["last_id"]),)
+    return pages
+
+
+async def test_paging_over_an_id_listed_twice_always_advances_and_ends(storage):
+    """A conversation holding one id twice (an item given twice in one request,
+    as the API takes it, or a log written before duplicates were refused):
+    ``after`` names the id's last place, so no page starts over."""
+    replica = Replica(storage)
+    conversation_id = await created(replica, ["a", "b", "c"])
+    conversation = await replica.find(conversation_id)
+    a, b, c = (item.id for item in conversation.items)
+    replica.conversations.add(ALICE, conversation, [conversation.items[1].raw])  # b again, id and all
+    await replica.flush()
+    assert [item.id for item in (await replica.find(conversation_id)).items] == [a, b, c, b]
+    assert await walked(replica, conversation_id, "asc", 1) == [[a], [c], [b]]  # never a page ending on b's first copy
+    assert await walked(replica, conversation_id, "asc", 2) == [[a], [b, c], [b]]
+    assert await walked(replica, conversation_id, "asc", 3) == [[a, b, c], [b]]
+    assert await walked(replica, conversation_id, "asc", 20) == [[a, b, c, b]]
+    assert await walked(replica, conversation_id, "desc", 1) == [[c], [b], [a]]  # listed b, c, b, a
+    assert await walked(replica, conversation_id, "desc", 2) == [[b, c], [b, a]]
+    status, page = await replica.call("list_items", conversation_id=conversation_id,
+                                      query=(("order", "asc"), ("after", b)))
+    assert (status, page["data"], page["has_more"]) == (200, [], False)  # past b's last place: the end
+
+
+async def test_an_input_item_already_in_the_conversation_or_twice_in_the_input_is_refused(storage):
+    replica = Replica(storage)
+    conversation_id = await created(replica, ["a"])
+    conversation = await replica.find(conversation_id)
+    present = conversation.items[0].id
+    own = json.dumps({"type": "message", "role": "user", "id": "msg_own", "content": "x"}).encode()
+    fresh = json.dumps({"role": "user", "content": "y"}).encode()
+    for raw_input, named in (([fresh, conversation.items[0].raw], present), ([own, fresh, own], "msg_own")):
+        with pytest.raises(ApiError) as refused:
+            refuse_duplicates(conversation, listed(raw_input))
+        assert (refused.value.status, refused.value.body) == (400, {"error": {
+            "message": f"Duplicate item found with id {named}. Remove duplicate items from your input and try again.",
+            "type": "invalid_request_error", "param": "input", "code": None}})
+    refuse_duplicates(conversation, listed([own, fresh, fresh]))  # items without ids each get their own
 
 
 def limited(conversations: int = 10_000) -> Config:

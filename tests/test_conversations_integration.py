@@ -7,6 +7,7 @@ items, as the API lists them, then the request's input."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -153,6 +154,73 @@ def test_the_apis_errors_and_nothing_of_them_upstream(emulator, start_proxy, mod
     texts = [i["content"][0]["text"] for i in call(proxy, "GET", f"/v1/conversations/{conversation_id}/items"
                                                    ).json()["data"]]
     assert texts == ["secret plan"]  # nothing added by any refused request
+
+
+def duplicate(item_id: str) -> dict:
+    return {"message": f"Duplicate item found with id {item_id}. Remove duplicate items from your input and try"
+                       " again.", "type": "invalid_request_error", "param": "input", "code": None}
+
+
+def walked(client: openai.OpenAI, conversation_id: str, order: str, limit: int) -> list[str]:
+    """The ids the SDK's auto-paging lists, ``limit`` a page, following
+    ``after``; cut at 50, so that paging that never ends fails the test
+    instead of hanging it."""
+    pager = client.conversations.items.list(conversation_id, order=order, limit=limit)
+    return [item.id for item in itertools.islice(pager, 50)]
+
+
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_an_item_sent_back_into_its_conversation_is_refused_as_the_api_refuses_and_nothing_goes_upstream(
+        emulator, start_proxy, mode):
+    """A client that sends back the output it got (as openai-agents did in a
+    tool loop) gets the API's 400 from the proxy, and the item is not in the
+    conversation twice: the SDK's auto-paging by ``after`` ends, listing
+    every item once (it restarted from the first copy forever)."""
+    emulator.model.control({"conversations": "absent"})
+    proxy = start_proxy(emulator.url, "--set", f"stateful_emulate={mode}")
+    client = sdk(proxy)
+    conversation = client.conversations.create(items=[{"role": "user", "content": "hello"}])  # auto: taken over
+    answered = client.responses.create(model="gpt-test", input="hi", conversation=conversation.id)
+    before = listed(client, conversation.id)
+    assert len(before) == 3 and before[-1]["id"] == answered.output[0].id
+    upstream_requests = len(log(emulator))
+    sent_back = answered.output[0].model_dump(exclude_unset=True)
+    own = {"type": "message", "role": "user", "id": "msg_own", "content": "again"}
+    for item_input, named in (([{"role": "user", "content": "more"}, sent_back], sent_back["id"]),
+                              ([{"type": "item_reference", "id": before[0]["id"]}], before[0]["id"]),
+                              ([own, own], "msg_own")):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.responses.create(model="gpt-test", input=item_input, conversation=conversation.id,
+                                        stream=stream)
+            assert refused.value.body == duplicate(named)
+    assert len(log(emulator)) == upstream_requests  # every one answered by the proxy
+    assert listed(client, conversation.id) == before
+    ids = [item["id"] for item in before]
+    assert walked(client, conversation.id, "asc", 1) == ids and walked(client, conversation.id, "desc", 1) == ids[::-1]
+    client.close()
+    assert "internal error" not in proxy.output()
+
+
+def test_paging_over_an_item_given_twice_in_one_request_ends(emulator, start_proxy):
+    """The API keeps an item given twice in one request twice; the proxy does
+    too, and paging by ``after`` over the copies advances and ends."""
+    emulator.model.control({"conversations": "absent"})
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always")
+    client = sdk(proxy)
+    conversation = client.conversations.create(items=[{"role": "user", "content": "first"}])
+    copy = {"type": "message", "role": "user", "id": "msg_twice", "content": "twice"}
+    added = client.conversations.items.create(conversation.id, items=[copy, {"role": "user", "content": "between"},
+                                                                       copy])
+    assert [item.id for item in added.data] == ["msg_twice", added.data[1].id, "msg_twice"]
+    first, between = listed(client, conversation.id)[0]["id"], added.data[1].id
+    assert walked(client, conversation.id, "asc", 20) == [first, "msg_twice", between, "msg_twice"]
+    assert walked(client, conversation.id, "asc", 2) == [first, "msg_twice", between, "msg_twice"]
+    assert walked(client, conversation.id, "asc", 1) == [first, between, "msg_twice"]  # never ending on a first copy
+    assert walked(client, conversation.id, "desc", 1) == [between, "msg_twice", first]  # newest first: the same
+    page = client.conversations.items.list(conversation.id, order="asc", limit=1, after="msg_twice")
+    assert (page.data, page.has_more) == ([], False)  # past the last copy: the end, never the start again
+    client.close()
 
 
 def test_a_credential_at_its_limit_is_refused_as_the_api_refuses_and_another_credential_goes_on(emulator,

@@ -78,6 +78,7 @@ from .conversations import (
     named,
     named_in,
     not_found,
+    refuse_duplicates,
     route,
     too_large,
 )
@@ -797,15 +798,16 @@ class ConversationEmulation:
         if conversation.full:
             self._refuse(flow, too_large(conversation.id, "conversation"))
             return
-        try:
-            await self.conversations.admit(record.tenant, self.state.get_strict, param="conversation")
-        except ApiError as e:
-            self._refuse(flow, e)
-            return
         raw_input = reading.raw_items if reading.raw_items is not None \
             else [string_input_item(bytes(reading.fields["input"]))]
         resolved = await self.history.resolve_references(record.tenant, raw_input, self.state.get_strict)
         record.listed_input = listed(resolved)
+        try:
+            refuse_duplicates(conversation, record.listed_input)
+            await self.conversations.admit(record.tenant, self.state.get_strict, param="conversation")
+        except ApiError as e:
+            self._refuse(flow, e)
+            return
         record.expanded, dropped = await self._expansion(reading, client, record)
         await self.conversations.renew(conversation)
         self.state.flush()

@@ -33,9 +33,10 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import msgspec
@@ -104,6 +105,13 @@ def background_refused() -> ApiError:
     return ApiError(400, "Unsupported parameter: 'background' is not supported with a conversation this proxy "
                          "keeps for an upstream without the Conversations API.", param="background",
                     code="unsupported_parameter")
+
+
+def duplicate_item(item_id: str) -> ApiError:
+    """An input item whose id is already in the conversation, or twice in
+    the input: the API's 400, worded as public captures of it record it."""
+    return ApiError(400, f"Duplicate item found with id {item_id}. Remove duplicate items from your input and try"
+                         " again.", param="input")
 
 
 def too_large(conversation_id: str, param: str) -> ApiError:
@@ -230,6 +238,15 @@ class Conversation:
     @property
     def full(self) -> bool:
         return len(self.items) >= MAX_ITEMS or self.length >= MAX_ENTRIES
+
+    @cached_property
+    def repeated(self) -> frozenset[str]:
+        """The ids it lists more than once (see ``page_bounds``): counted once
+        per version read, not on every page a client asks for."""
+        ids = [item.id for item in self.items]
+        if len(set(ids)) == len(ids):
+            return frozenset()
+        return frozenset(item_id for item_id, count in Counter(ids).items() if count > 1)
 
 
 class _Replay:
@@ -651,16 +668,10 @@ class Conversations:
             raise ApiError(400, f"Invalid value: '{order}'. Supported values are: 'asc' and 'desc'.", "order",
                            "invalid_value")
         items = conversation.items if order == "asc" else conversation.items[::-1]
-        start = 0
-        if "after" in query:
-            ids = [item.id for item in items]
-            if query["after"] not in ids:
-                raise _no_item(query["after"], "after")
-            start = ids.index(query["after"]) + 1
-        page = items[start:start + int(limit_text)]
+        start, end = page_bounds(items, query.get("after"), int(limit_text), conversation.repeated)
+        page = items[start:end]
         include = _include(call.query)
-        return _listed([item.shown(include) for item in page], [item.id for item in page],
-                       len(items) > start + len(page))
+        return _listed([item.shown(include) for item in page], [item.id for item in page], len(items) > end)
 
     async def _retrieve_item(self, tenant: Tenant, call: Call, conversation: Conversation, resolve: Resolve,
                              get: GetRecords) -> bytes:
@@ -690,6 +701,49 @@ class Conversations:
         items += [_JSON(item if isinstance(item, dict) and item.get("id") else listed_item(item, new_id))
                   for item in output if isinstance(item, dict)]
         self.add(tenant, conversation, items)
+
+
+def refuse_duplicates(conversation: Conversation, listed_input: Sequence[bytes]) -> None:
+    """The API's 400 (``duplicate_item``) for an input item (as ``listed``)
+    whose id is already in the conversation or earlier in the input: such
+    an item would be in the conversation twice."""
+    seen = {item.id for item in conversation.items}
+    for raw in listed_input:
+        item_id = Item.of(raw).id
+        if item_id in seen:
+            raise duplicate_item(item_id)
+        seen.add(item_id)
+
+
+def page_bounds(items: Sequence[Item], after: str | None, limit: int, repeated: frozenset[str]) -> tuple[int, int]:
+    """Where a page of ``items`` starts and ends, so that paging by ``after``
+    always advances and ends, even over an id listed twice (``repeated``: an
+    item added twice by one request, as the API takes it): ``after`` names
+    the id's last place, and a page ends only on an id's last place. It
+    stops short of an earlier copy, or, when only earlier copies fit,
+    starts past them (each is listed again further on). An ``after`` not
+    listed is the API's 404."""
+    ids = [item.id for item in items] if after is not None or repeated else []
+    if after is not None and after not in ids:
+        raise _no_item(after, "after")
+    if not repeated:
+        start = ids.index(after) + 1 if after is not None else 0
+        return start, min(start + limit, len(items))
+    last = dict(zip(ids, range(len(ids)), strict=True))  # an id's last place: later places overwrite earlier
+
+    def end_from(start: int) -> int:
+        end = min(start + limit, len(ids))
+        while end > start and last[ids[end - 1]] != end - 1:
+            end -= 1
+        return end
+
+    start = last[after] + 1 if after is not None else 0
+    end = end_from(start)
+    if end == start < len(ids):
+        while last[ids[start]] != start:
+            start += 1
+        end = end_from(start)
+    return start, end
 
 
 def listed(raw_input: Sequence[bytes]) -> list[bytes]:
