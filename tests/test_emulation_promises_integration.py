@@ -592,3 +592,28 @@ def test_a_chain_is_read_from_a_slow_store_that_a_shorter_read_took_for_down(emu
     assert went_on.status_code == 200, went_on.text
     assert said(log(emulator)[-1]) == ["made through the other replica", "go on"]
     assert "unavailable" in here.output()
+
+
+def test_a_full_history_turn_never_extends_a_turn_deleted_through_another_replica(emulator, start_proxy, tmp_path):
+    """A full-history turn stores only what it adds to the turn whose input
+    its own extends; one replica's memory may still name a turn another
+    replica deleted since. The new turn then keeps its whole input itself:
+    its id works from birth, on every replica."""
+    emulator.model.control({"stateless": "reject"})
+    spec = f"sqlite:{tmp_path / 'shared.db'}"
+    a, b = (start_proxy(emulator.url, "--set", f"stateful_store={spec}", "--set", "stateful_emulate=always")
+            for _ in range(2))
+    history: list = [{"role": "user", "content": "one"}]
+    f1 = post(b.url, {"input": history}).json()
+    history += f1["output"]
+    assert call("DELETE", f"{a.url}/v1/responses/{f1['id']}").json()["deleted"] is True
+    history.append({"role": "user", "content": "two"})
+    f2 = post(b.url, {"input": history}).json()  # b's memory: it extends f1's input
+    for proxy in (a, b):
+        listed = call("GET", f"{proxy.url}/v1/responses/{f2['id']}/input_items?order=asc")
+        assert listed.status_code == 200, listed.text
+        assert [i["content"][0]["text"] for i in listed.json()["data"] if i.get("role") == "user"] == ["one", "two"]
+        go_on = post(proxy.url, {"input": "three", "previous_response_id": f2["id"]})
+        assert go_on.status_code == 200, go_on.text
+        assert said(log(emulator)[-1]) == ["one", "two", "three"]
+    assert call("GET", f"{a.url}/v1/responses/{f1['id']}").status_code == 404  # the deleted one stays deleted

@@ -223,6 +223,8 @@ class StoreEmulation:
         if previous is None:
             if self.mode == "always":  # references to what the proxy recorded: the upstream has none of it
                 await self._resolve_references(flow, reading, record)
+            if record.record_turn:
+                await self.history.forget_gone_bases(record.tenant, record.raw_input, self.state.get)
             return
         if self.mode == "auto" and not await self._upstream_cannot_have(record):
             flow.metadata[EMULATION] = {"previous_response_id": previous, "expanded": False}

@@ -170,6 +170,22 @@ class History:
         self._outbox.append(Write(TURNS, key, record, self.ttl, merge=conflict, label=response_id))
         return self._relied_on(tenant, response_id, [d for d in (previous_response_id, base) if d is not None])
 
+    async def forget_gone_bases(self, tenant: Tenant, raw_input: Sequence[bytes], get: GetRecords) -> None:
+        """Before a full-history turn is recorded (``record``): the turns whose
+        input its own extends, as memory knows them, that the store no longer
+        has (deleted through another replica, expired, or not taken yet) are
+        forgotten as bases, so that the turn keeps its whole input itself
+        instead of relying on one that is gone."""
+        rolling = _rolling([exact_digest(raw) for raw in raw_input])
+        for k in range(len(rolling) - 1, 0, -1):
+            base = self.inputs.get((tenant.tag, rolling[k - 1]))
+            if base is None:
+                continue
+            if await get(TURNS, tenant.turn_keys(base)):
+                return
+            for where in [w for w, v in self.inputs.items() if w[0] == tenant.tag and v == base]:
+                del self.inputs[where]
+
     def _item(self, tenant: Tenant, raw: bytes, digest: bytes, owner: str | None) -> bytes:
         """Record one item (``owner``: the turn whose own it is). Written again
         even when memory knows it: another turn may hold the same shared item,
