@@ -16,6 +16,7 @@ import sqlite3
 import time
 from pathlib import Path
 
+import openai
 import pytest
 import redis
 from driver import httpx
@@ -301,6 +302,67 @@ def test_a_delete_the_store_did_not_take_is_never_answered_as_done(emulator, sta
     assert again.status_code == 400 and again.json()["error"]["code"] == "previous_response_not_found"
 
 
+
+@pytest.mark.parametrize("store", ["sqlite", "redis"], ids=["writes-locked", "writes-paused"])
+def test_the_sdks_retry_of_a_delete_the_store_took_late_is_answered_as_done_on_every_replica(
+        emulator, start_proxy, tmp_path, request, store):
+    """The proxy's 503 for a deletion the store did not take in time is
+    retried by the SDK; once the deletion lands (it waited with every failed
+    write), that retry, and a DELETE through another replica, are answered
+    "deleted", never the 404 of a response already gone."""
+    emulator.model.control({"stateless": "reject"})
+    if store == "redis":
+        server = request.getfixturevalue("redis_server")
+        spec, admin = server.url, redis.Redis.from_url(server.url)
+
+        def refuse_writes() -> None:
+            admin.client_pause(60_000, all=False)  # writes wait (and time out), reads go on
+
+        def allow_writes() -> None:
+            admin.client_unpause()
+    else:
+        path = tmp_path / "state.db"
+        spec, lock = f"sqlite:{path}", sqlite3.connect(path, timeout=10, isolation_level=None)
+
+        def refuse_writes() -> None:
+            lock.execute("BEGIN EXCLUSIVE")  # reads go on, writes wait and fail
+
+        def allow_writes() -> None:
+            if lock.in_transaction:
+                lock.execute("ROLLBACK")
+    a, b = (start_proxy(emulator.url, "--set", f"stateful_store={spec}", "--set", "stateful_emulate=always")
+            for _ in range(2))
+    first, second = chain(a.url, ["keep this", "a text the user deletes"])
+    assert post(b.url, {"input": "through b", "previous_response_id": first["id"]}).status_code == 200  # b reads it
+    answers: list[tuple[int, dict]] = []
+
+    def answered(response: httpx.Response) -> None:
+        response.read()
+        answers.append((response.status_code, response.json()))
+        if response.status_code == 503:
+            allow_writes()  # the store is back before the SDK tries again
+
+    refuse_writes()
+    try:
+        with httpx.Client(trust_env=False, timeout=60, event_hooks={"response": [answered]}) as http:
+            sdk = openai.OpenAI(base_url=f"{a.url}/v1", api_key=KEY, http_client=http, max_retries=2)
+            assert sdk.responses.delete(second["id"]) is None  # the SDK raised nothing
+    finally:
+        allow_writes()
+    assert [status for status, _ in answers] == [503, 200], answers
+    assert answers[0][1]["error"]["type"] == "server_error"
+    assert answers[1][1] == {"id": second["id"], "object": "response", "deleted": True}
+    for proxy in (a, b):
+        deleted = call("DELETE", f"{proxy.url}/v1/responses/{second['id']}")  # another retry, on either replica
+        assert deleted.status_code == 200, ("ab"[proxy is b], deleted.text)
+        assert deleted.json() == {"id": second["id"], "object": "response", "deleted": True}
+        assert call("GET", f"{proxy.url}/v1/responses/{second['id']}").status_code == 404
+        refused = post(proxy.url, {"input": "go on", "previous_response_id": second["id"]})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "previous_response_not_found"
+        assert post(proxy.url, {"input": "from the first", "previous_response_id": first["id"]}).status_code == 200
+    assert all("a text the user deletes" not in said(r) for r in log(emulator)[2:])
+
+
 def test_auto_mode_deletes_the_record_whatever_the_upstream_answers(emulator, start_proxy):
     proxy = start_proxy(emulator.url, "--set", "stateful_emulate=auto")
     first, second = chain(proxy.url, ["keep this", "a text the upstream forgot"])
@@ -530,3 +592,28 @@ def test_a_chain_is_read_from_a_slow_store_that_a_shorter_read_took_for_down(emu
     assert went_on.status_code == 200, went_on.text
     assert said(log(emulator)[-1]) == ["made through the other replica", "go on"]
     assert "unavailable" in here.output()
+
+
+def test_a_full_history_turn_never_extends_a_turn_deleted_through_another_replica(emulator, start_proxy, tmp_path):
+    """A full-history turn stores only what it adds to the turn whose input
+    its own extends; one replica's memory may still name a turn another
+    replica deleted since. The new turn then keeps its whole input itself:
+    its id works from birth, on every replica."""
+    emulator.model.control({"stateless": "reject"})
+    spec = f"sqlite:{tmp_path / 'shared.db'}"
+    a, b = (start_proxy(emulator.url, "--set", f"stateful_store={spec}", "--set", "stateful_emulate=always")
+            for _ in range(2))
+    history: list = [{"role": "user", "content": "one"}]
+    f1 = post(b.url, {"input": history}).json()
+    history += f1["output"]
+    assert call("DELETE", f"{a.url}/v1/responses/{f1['id']}").json()["deleted"] is True
+    history.append({"role": "user", "content": "two"})
+    f2 = post(b.url, {"input": history}).json()  # b's memory: it extends f1's input
+    for proxy in (a, b):
+        listed = call("GET", f"{proxy.url}/v1/responses/{f2['id']}/input_items?order=asc")
+        assert listed.status_code == 200, listed.text
+        assert [i["content"][0]["text"] for i in listed.json()["data"] if i.get("role") == "user"] == ["one", "two"]
+        go_on = post(proxy.url, {"input": "three", "previous_response_id": f2["id"]})
+        assert go_on.status_code == 200, go_on.text
+        assert said(log(emulator)[-1]) == ["one", "two", "three"]
+    assert call("GET", f"{a.url}/v1/responses/{f1['id']}").status_code == 404  # the deleted one stays deleted

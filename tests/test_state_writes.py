@@ -102,6 +102,26 @@ async def test_a_write_the_server_failed_lands_once_it_is_back(redis_server):
             await reader.close()
 
 
+async def test_an_answer_that_waits_through_an_outage_is_given_once_the_write_lands(redis_server):
+    async with Replica(redis_server.url) as proxy:
+        tenant = proxy.tenant(0)
+        redis_server.stop()
+        context = proxy.answer(tenant, 1, None)
+        waiting = asyncio.ensure_future(proxy.state.written(proxy.state.flush(), 10, through_outage=True))
+        await asyncio.sleep(1)
+        assert not waiting.done()  # the write failed: the answer still waits
+        redis_server.start()
+        assert await waiting
+        reader = RedisStorage(redis_server.url, timeout=5)
+        try:
+            assert await context_read_cold(reader, tenant, "resp_1") == context  # it was written when answered
+        finally:
+            await reader.close()
+        redis_server.stop()  # down for longer than the wait: not durable
+        proxy.answer(tenant, 2, "resp_1")
+        assert not await proxy.state.written(proxy.state.flush(), 1, through_outage=True)
+
+
 async def test_a_master_down_mid_flush_leaves_no_turn_without_its_items_and_the_rest_follows_in_order(tmp_path):
     # The production default node timeout (15 s): until it passes, the other
     # masters serve their slots, so a flush is half taken.

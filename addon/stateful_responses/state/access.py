@@ -25,6 +25,8 @@ class StateAccess(Protocol):
     def flush(self) -> asyncio.Future | None:
         """Queue every outbox for the store; the future is done once written."""
 
-    async def written(self, done: asyncio.Future | None, timeout: float = ...) -> bool:
+    async def written(self, done: asyncio.Future | None, timeout: float = ..., *,
+                      through_outage: bool = ...) -> bool:
         """Wait, ``timeout`` at most, until writes are durable and visible to
-        the other processes; whether they are."""
+        the other processes (``through_outage``: also once the store is back
+        from a failure); whether they are."""

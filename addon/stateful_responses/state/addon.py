@@ -81,6 +81,8 @@ class StateStore:
         self._unwritten: deque[Unwritten] = deque()  # oldest first: the writer's next, then those behind it
         self._queued: deque[list[Write]] = deque()  # the writes in the queue, in its order
         self._gave_up = False  # writes were given up in this outage (and a warning said so)
+        self._given_up = 0  # writes given up since the start, all outages together
+        self._caught_up: asyncio.Future | None = None  # done once nothing waits to be sent again
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -293,14 +295,28 @@ class StateStore:
         self._queue.put_nowait((writes, done))
         return done
 
-    @staticmethod
-    async def written(done: asyncio.Future | None, timeout: float = FLUSH_WAIT) -> bool:
+    async def written(self, done: asyncio.Future | None, timeout: float = FLUSH_WAIT, *,
+                      through_outage: bool = False) -> bool:
         """Wait, ``timeout`` at most, until writes are durable and visible to
-        the other processes; whether they are (nothing to write: they are)."""
+        the other processes; whether they are (nothing to write: they are).
+        Writes the store failed are sent again once it is back; ``through_outage``
+        waits for that too (an answer that must not be given before its writes
+        land, and may as well wait), else a failure is the answer at once."""
         if done is None:
             return True
+        deadline, given_up = time.monotonic() + timeout, self._given_up
         await asyncio.wait({done}, timeout=timeout)
-        return done.done() and done.result() is True
+        if not done.done() or done.result() is True or not through_outage:
+            return done.done() and done.result() is True
+        if not self._tasks:
+            return False  # stopped: the last writes were drained, if at all
+        if not self._unwritten and not self._queued:
+            return self._given_up == given_up  # sent again and written already
+        if self._caught_up is None or self._caught_up.done():
+            self._caught_up = asyncio.get_running_loop().create_future()
+        caught_up = self._caught_up
+        await asyncio.wait({caught_up}, timeout=max(0.0, deadline - time.monotonic()))
+        return caught_up.done() and self._given_up == given_up  # none given up meanwhile: ours among them
 
     async def _write_loop(self) -> None:
         queue = self._queue
@@ -350,6 +366,8 @@ class StateStore:
                 break
             self._worked()
         self._give_up_old()
+        if not self._unwritten and self._caught_up is not None and not self._caught_up.done():
+            self._caught_up.set_result(True)
         return not self._unwritten
 
     def _give_up_old(self) -> None:
@@ -360,6 +378,7 @@ class StateStore:
         while self._unwritten and (now - self._unwritten[0].since > RETRY_FOR or size > RETRY_BYTES):
             gone = self._unwritten.popleft()
             size, dropped = size - gone.size, dropped + len(gone.writes)
+        self._given_up += dropped
         if dropped and not self._gave_up:
             self._gave_up = True
             name = self.storage.name if self.storage is not None else self.config.settings.store

@@ -224,6 +224,8 @@ class StoreEmulation:
         if previous is None:
             if self.mode == "always":  # references to what the proxy recorded: the upstream has none of it
                 await self._resolve_references(flow, reading, record)
+            if record.record_turn:
+                await self.history.forget_gone_bases(record.tenant, record.raw_input, self.state.get)
             return
         if self.mode == "auto" and not await self._upstream_cannot_have(record):
             flow.metadata[EMULATION] = {"previous_response_id": previous, "expanded": False}
@@ -376,18 +378,21 @@ class StoreEmulation:
         copy, and the upstream's (every recorded turn went there with store on,
         so the DELETE goes on whatever its answer said). Where the store took
         the deletion, the client's answer is the record's ("deleted"), else
-        see ``_answer_delete``. An id never recorded is the upstream's alone."""
+        see ``_answer_delete``. A DELETE of a response deleted through the
+        proxy lately (``History.deleted_lately``: an SDK retrying the proxy's
+        503 once the store took the deletion after all) is answered as done
+        too. An id never recorded is the upstream's alone."""
         response_id = record.previous_response_id
         assert response_id is not None
         try:
             turn = await self._target(record)
-            if turn is None:
+            if turn is not None and turn.header.status == "completed":
+                await self.history.delete(record.tenant, response_id, self.state.get_strict)
+            elif not await self.history.deleted_lately(record.tenant, response_id, self.state.get_strict):
+                if turn is not None:
+                    flow.response = _not_found(response_id)  # deleted through the proxy long ago
+                    flow.comment = f"emulated: DELETE {response_id} answered from the record"
                 return
-            if turn.header.status != "completed":
-                flow.response = _not_found(response_id)  # deleted through the proxy
-                flow.comment = f"emulated: DELETE {response_id} answered from the record"
-                return
-            await self.history.delete(record.tenant, response_id, self.state.get_strict)
             record.written, record.deletion_queued = self.state.flush(), True
         except StorageError:
             pass  # the store cannot say whether it holds the response: it may
@@ -404,7 +409,7 @@ class StoreEmulation:
         (SDKs retry it); any other answer is the upstream's own."""
         assert flow.response is not None and record.deleting is not None
         response_id, status = record.deleting, flow.response.status_code
-        if record.deletion_queued and await self.state.written(record.written, ANSWER_WAIT):
+        if record.deletion_queued and await self.state.written(record.written, ANSWER_WAIT, through_outage=True):
             flow.response = _deleted(response_id)
             flow.metadata[EMULATION] = {"deleted": response_id}
             flow.comment = f"emulated: DELETE {response_id} deleted from the record (the upstream answered {status})"

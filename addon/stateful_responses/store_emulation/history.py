@@ -19,11 +19,24 @@ from ..bounded import Bounded, Weighed
 from ..items import canonical_json, normalize_item, strict_loads
 from ..settings import Config
 from ..state.outbox import Outbox, Write
-from .turns import DEPENDENTS, ITEM_IDS, ITEMS, KEY_SIZE, TURNS, Tenant, TurnBody, TurnHeader, conflict, header_of
+from .turns import (
+    DELETIONS,
+    DEPENDENTS,
+    ITEM_IDS,
+    ITEMS,
+    KEY_SIZE,
+    TURNS,
+    Tenant,
+    TurnBody,
+    TurnHeader,
+    conflict,
+    header_of,
+)
 from .walk import ChainError, Link, not_found, walk
 
 GetRecords = Callable[[str, Sequence[bytes]], Awaitable[Mapping[bytes, bytes]]]
 RENEW_SLACK = 86400.0  # at most a day: see History.slack
+DELETED_FOR = 3600.0  # how long a deletion is remembered (no content: that it was), for a DELETE retried
 _ENCODE = msgspec.json.Encoder(decimal_format="number").encode
 
 
@@ -70,7 +83,7 @@ class History:
     renewed: Bounded = field(default_factory=lambda: Bounded(4096), repr=False)
     _outbox: Outbox = field(default_factory=Outbox, repr=False)
 
-    tables = {TURNS: 1_000_000, ITEMS: 4_000_000, DEPENDENTS: 1_000_000, ITEM_IDS: 1_000_000}
+    tables = {TURNS: 1_000_000, ITEMS: 4_000_000, DEPENDENTS: 1_000_000, ITEM_IDS: 1_000_000, DELETIONS: 100_000}
 
     @property
     def ttl(self) -> float:
@@ -157,6 +170,22 @@ class History:
         self._outbox.append(Write(TURNS, key, record, self.ttl, merge=conflict, label=response_id))
         return self._relied_on(tenant, response_id, [d for d in (previous_response_id, base) if d is not None])
 
+    async def forget_gone_bases(self, tenant: Tenant, raw_input: Sequence[bytes], get: GetRecords) -> None:
+        """Before a full-history turn is recorded (``record``): the turns whose
+        input its own extends, as memory knows them, that the store no longer
+        has (deleted through another replica, expired, or not taken yet) are
+        forgotten as bases, so that the turn keeps its whole input itself
+        instead of relying on one that is gone."""
+        rolling = _rolling([exact_digest(raw) for raw in raw_input])
+        for k in range(len(rolling) - 1, 0, -1):
+            base = self.inputs.get((tenant.tag, rolling[k - 1]))
+            if base is None:
+                continue
+            if await get(TURNS, tenant.turn_keys(base)):
+                return
+            for where in [w for w, v in self.inputs.items() if w[0] == tenant.tag and v == base]:
+                del self.inputs[where]
+
     def _item(self, tenant: Tenant, raw: bytes, digest: bytes, owner: str | None) -> bytes:
         """Record one item (``owner``: the turn whose own it is). Written again
         even when memory knows it: another turn may hold the same shared item,
@@ -234,6 +263,7 @@ class History:
         if turn is None:
             return False
         relied_on = await get(DEPENDENTS, [turn.key])
+        self._outbox.append(Write(DELETIONS, tenant.deletion_key(response_id), b"", DELETED_FOR))
         if relied_on:
             self._outbox.append(Write(TURNS, turn.key, tenant.deleted(turn.header, turn.body, turn.key), self.ttl))
         else:
@@ -244,6 +274,18 @@ class History:
         self.renewed.pop((tenant.tag, response_id), None)
         for where in [k for k, v in self.inputs.items() if k[0] == tenant.tag and v == response_id]:
             del self.inputs[where]
+        return True
+
+    async def deleted_lately(self, tenant: Tenant, response_id: str, get: GetRecords) -> bool:
+        """Whether a client deleted the response through the proxy within
+        DELETED_FOR (its mark holds no content, only that it was), so that a
+        DELETE retried after the proxy's 503, or sent again through another
+        replica, is answered as done. A mark found is written again: an answer
+        that waits for that write waits for the deletion too (writes land in
+        order)."""
+        if not await get(DELETIONS, tenant.deletion_keys(response_id)):
+            return False
+        self._outbox.append(Write(DELETIONS, tenant.deletion_key(response_id), b"", DELETED_FOR))
         return True
 
     async def _remove_own(self, tenant: Tenant, turn: Turn, get: GetRecords) -> None:

@@ -43,6 +43,7 @@ TURNS = "turns"  # turn key -> TurnHeader (body sealed)
 ITEMS = "items"  # item key -> sealed item JSON
 DEPENDENTS = "dependents"  # turn key -> nothing: some other turn continues or extends it
 ITEM_IDS = "item-ids"  # item id key -> the key of the turn whose output holds it + the item's key
+DELETIONS = "deletions"  # deletion key -> nothing: a client deleted that response through the proxy lately
 
 KEY_SIZE = 16
 ANCESTORS = 32
@@ -135,6 +136,13 @@ class Tenant:
 
     def item_id_keys(self, item_id: str) -> list[bytes]:
         return self._keys(b"item-id", item_id)
+
+    def deletion_key(self, response_id: str) -> bytes:
+        """Where the mark of a deletion is, in this tenant only (the turn's shard tag: they land together)."""
+        return self._own_keys(b"deleted", response_id)[0]
+
+    def deletion_keys(self, response_id: str) -> list[bytes]:
+        return self._keys(b"deleted", response_id)
 
     def conversation_key(self, conversation_id: str) -> bytes:
         """Where a conversation's log is, in this tenant only."""
