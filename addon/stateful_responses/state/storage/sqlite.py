@@ -2,7 +2,9 @@
 machine may share.
 
 SQLite calls block, so one dedicated worker thread owns the connection and
-runs every call; the event loop only awaits it. The file is created owner-only
+runs every write; reads have a thread and a connection of their own, so that
+a read never waits behind a write that waits for another process's lock. The
+event loop only awaits them. The file is created owner-only
 before SQLite opens it (SQLite gives its -wal and -shm files the same mode)
 and runs in WAL mode, so readers in other processes never wait for a writer.
 A second thread copies the WAL into the file (a checkpoint, which ends in an
@@ -112,6 +114,8 @@ class SQLiteStorage:
         self._next_sweep = 0.0
         self._executor: ThreadPoolExecutor | None = None
         self._db: sqlite3.Connection | None = None  # used by the worker thread only
+        self._reads: ThreadPoolExecutor | None = None
+        self._read_db: sqlite3.Connection | None = None  # used by the reads' thread only
         # Checkpoints: a thread and a connection of their own (see _checkpoint_soon).
         self._checkpoints: ThreadPoolExecutor | None = None
         self._checkpoint_db: sqlite3.Connection | None = None
@@ -132,9 +136,14 @@ class SQLiteStorage:
     async def keyring(self, ours: bytes | None = None) -> tuple[bytes, tuple[bytes, ...]]:
         return await self._run(self._keyring, ours)
 
+    async def _read(self, job: Callable[..., T], *args: object) -> T:
+        if self._reads is None:
+            self._reads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stateful-sqlite-read")
+        return await asyncio.get_running_loop().run_in_executor(self._reads, self._in_reader, job, *args)
+
     async def get(self, table: str, keys: Sequence[bytes]) -> dict[bytes, bytes]:
         check_table(table)
-        return await self._run(self._get, table, list(keys)) if keys else {}
+        return await self._read(self._get, table, list(keys)) if keys else {}
 
     async def put(self, table: str, records: Mapping[bytes, bytes], ttl: float) -> None:
         await self.write(Batch(puts=[(table, records, ttl)]))
@@ -158,7 +167,7 @@ class SQLiteStorage:
 
     async def scan(self, table: str) -> dict[bytes, bytes]:
         check_table(table)
-        return await self._run(self._scan, table)
+        return await self._read(self._scan, table)
 
     async def clear(self) -> None:
         await self._run(self._clear)
@@ -167,6 +176,12 @@ class SQLiteStorage:
         await self._run(lambda db: db.execute("SELECT count(*) FROM meta").fetchone())
 
     async def close(self) -> None:
+        reads, self._reads = self._reads, None
+        if reads is not None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(reads, self._disconnect, "_read_db")
+            finally:
+                reads.shutdown(wait=True)
         executor, self._executor = self._executor, None
         if executor is not None:
             try:
@@ -177,20 +192,30 @@ class SQLiteStorage:
     # The worker thread's side.
 
     def _in_worker(self, job: Callable[..., T], *args: object) -> T:
+        return self._on("_db", job, *args)
+
+    def _in_reader(self, job: Callable[..., T], *args: object) -> T:
+        return self._on("_read_db", job, *args)
+
+    def _on(self, connection: str, job: Callable[..., T], *args: object) -> T:
+        """Run ``job`` on the connection named (opened if need be), a
+        failure as a StorageError."""
+        db = getattr(self, connection)
         try:
-            if self._db is None:
-                self._db = self._connect()
-            return job(self._db, *args)
+            if db is None:
+                db = self._connect()
+                setattr(self, connection, db)
+            return job(db, *args)
         except sqlite3.Error as exc:
             code = getattr(exc, "sqlite_errorcode", sqlite3.SQLITE_ERROR) & 0xFF
-            if self._db is not None:
-                self._recover(self._db, reopen=code in _REOPEN)
+            if db is not None:
+                self._recover(db, connection, reopen=code in _REOPEN)
             what = _FAILURES.get(code, f"failed ({getattr(exc, 'sqlite_errorname', type(exc).__name__)})")
             raise StorageError(f"{self.name}: {what}") from exc
         except OSError as exc:
             raise StorageError(f"{self.name}: cannot open or create the file ({os.strerror(exc.errno or 0)})") from exc
 
-    def _recover(self, db: sqlite3.Connection, reopen: bool) -> None:
+    def _recover(self, db: sqlite3.Connection, connection: str, reopen: bool) -> None:
         """Leave no transaction open after a failure (a COMMIT that met a lock
         leaves one); a connection that met corruption or an I/O error is
         dropped, and the next call opens the file afresh."""
@@ -200,7 +225,7 @@ class SQLiteStorage:
         except sqlite3.Error:
             reopen = True
         if reopen:
-            self._disconnect()
+            self._disconnect(connection)
 
     def _connect(self) -> sqlite3.Connection:
         """Open the file, creating it owner-only first. Opening retries while
@@ -241,8 +266,9 @@ class SQLiteStorage:
             raise
         return db
 
-    def _disconnect(self) -> None:
-        db, self._db = self._db, None
+    def _disconnect(self, connection: str = "_db") -> None:
+        db = getattr(self, connection)
+        setattr(self, connection, None)
         if db is not None:
             db.close()
 
