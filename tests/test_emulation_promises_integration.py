@@ -617,3 +617,41 @@ def test_a_full_history_turn_never_extends_a_turn_deleted_through_another_replic
         assert go_on.status_code == 200, go_on.text
         assert said(log(emulator)[-1]) == ["one", "two", "three"]
     assert call("GET", f"{a.url}/v1/responses/{f1['id']}").status_code == 404  # the deleted one stays deleted
+
+
+def test_a_conversation_continued_while_its_last_append_waits_for_the_store_keeps_that_turn(
+        emulator, start_proxy, tmp_path):
+    """A turn joins its conversation before its answer's end, a second at
+    most: past that the append waits for the store. The conversation's next
+    turn on the same proxy, while the store still takes nothing, is sent with
+    every item its client was answered with, the waiting append's included;
+    once the store is back each item is there once."""
+    emulator.model.control({"stateless": "reject"})
+    path = tmp_path / "state.db"
+    proxy = start_proxy(emulator.url, "--set", f"stateful_store=sqlite:{path}", "--set", "stateful_emulate=always")
+    with httpx.Client(trust_env=False, timeout=30) as c:
+        made = c.post(f"{proxy.url}/v1/conversations", json={}, headers={"authorization": f"Bearer {KEY}"})
+    assert made.status_code == 200, made.text
+    conversation = made.json()["id"]
+    assert post(proxy.url, {"input": "the first turn", "conversation": conversation}).status_code == 200
+    lock = sqlite3.connect(path, timeout=10, isolation_level=None)
+    lock.execute("BEGIN EXCLUSIVE")  # reads go on, writes wait and fail
+    try:
+        assert post(proxy.url, {"input": "the second turn", "conversation": conversation}).status_code == 200
+        third = post(proxy.url, {"input": "the third turn", "conversation": conversation})
+        assert third.status_code == 200, third.text
+        assert said(log(emulator)[-1]) == ["the first turn", "the second turn", "the third turn"]
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+
+    def listed() -> list[str]:
+        items = call("GET", f"{proxy.url}/v1/conversations/{conversation}/items?order=asc").json()["data"]
+        return [i["content"][0]["text"] for i in items if i.get("role") == "user"]
+    deadline = time.monotonic() + 30
+    while listed() != ["the first turn", "the second turn", "the third turn"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert listed() == ["the first turn", "the second turn", "the third turn"]
+    fourth = post(proxy.url, {"input": "the fourth turn", "conversation": conversation})
+    assert fourth.status_code == 200, fourth.text
+    assert said(log(emulator)[-1]) == ["the first turn", "the second turn", "the third turn", "the fourth turn"]

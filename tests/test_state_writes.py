@@ -214,3 +214,55 @@ async def test_the_store_scale_multiplies_every_tables_cap_on_every_backend(tmp_
     assert caps[("sqlite", 1)] == (1_000_000, 4_000_000, 400_000)
     assert caps[("sqlite", 4)] == (4_000_000, 16_000_000, 1_600_000)
     assert caps[("memory", 4)] == (400_000, 1_600_000, 160_000)  # a tenth of the scaled caps
+
+
+async def test_a_strict_read_counts_this_proxys_log_appends_the_store_has_not_taken_once_each(tmp_path):
+    """A log (a conversation's) read strictly while this proxy's appends to
+    it wait for the store shows them where the store will number them: one
+    the writer is on, one queued behind it, and none twice once the store
+    took it (before the writer learns so); a pending drop leaves nothing."""
+    from stateful_responses.state.outbox import Write
+    from stateful_responses.state.storage import log_entry, log_length
+
+    table, log = "conversations", b"\x00\x01" + b"c" * 14
+    async with Replica("sqlite:" + str(tmp_path / "state.sqlite3")) as replica:
+        state, outbox = replica.state, replica.history._outbox
+        storage = state.storage
+        assert storage is not None
+
+        def append(value: bytes, how: str = "append") -> asyncio.Future | None:
+            outbox.append(Write(table, log, value, 3600.0, log=how))
+            return state.flush()
+
+        async def read() -> tuple[int, list[bytes]]:
+            length = log_length((await state.get_strict(table, [log])).get(log))
+            entries = await state.get_strict(table, [log_entry(log, n) for n in range(length + 2)])
+            return length, [entries[log_entry(log, n)] for n in range(length) if log_entry(log, n) in entries]
+
+        assert await state.written(append(b"v0", "start"), 5)
+        gate, write, taken = asyncio.Event(), storage.write, []
+
+        async def held(batch):
+            await gate.wait()
+            if batch not in taken:
+                await write(batch)
+        storage.write = held  # the store takes nothing until the gate opens: the writer waits on it
+        append(b"v1")
+        await asyncio.sleep(0.1)
+        assert await read() == (2, [b"v0", b"v1"])  # the one the writer is on
+        behind = append(b"v2")
+        assert await read() == (3, [b"v0", b"v1", b"v2"])  # and the one queued behind it
+        taken.append(state._unwritten[0].batch)
+        await write(taken[0])  # the store took v1; the writer has not heard back yet
+        assert await read() == (3, [b"v0", b"v1", b"v2"])  # v1 once
+        gate.set()
+        assert await state.written(behind, 5)
+        assert await read() == (3, [b"v0", b"v1", b"v2"])
+        gate.clear()
+        outbox.append(Write(table, log, None, log="drop"))
+        dropped = state.flush()
+        assert (await state.get_strict(table, [log, log_entry(log, 0)])) == {}
+        storage.write = write
+        gate.set()
+        assert await state.written(dropped, 5)
+        assert (await state.get_strict(table, [log, log_entry(log, 0)])) == {}

@@ -27,11 +27,22 @@ from ..settings import Config, Settings
 from ..tenancy import Tenancy
 from ..upstreams import MARKS, Upstreams
 from .outbox import Remembers, Write, batch_of
-from .storage import ONCE_TTL, Batch, Storage, StorageError, open_storage
+from .storage import (
+    LOG_INDEX_SIZE,
+    ONCE_TTL,
+    Batch,
+    Storage,
+    StorageError,
+    log_entry,
+    log_length,
+    log_length_record,
+    open_storage,
+)
 
 logger = logging.getLogger(__name__)
 
 READ_TIMEOUT = 0.25  # a read on a request's path: past this, plan from memory
+LANDED_LOOKBACK = 64  # entries others may have appended to a log after a write of ours landed unbeknown
 STRICT_READ_TIMEOUT = 2.0  # a read whose miss would fail the request: past this, it goes as the client sent it
 FLUSH_WAIT = 0.25  # an answer's end waits this long at most for its writes
 RETRY_AFTER = 2.0  # between attempts to reach a store that failed
@@ -250,6 +261,19 @@ class StateStore:
             return {}
         if self.storage is None or not self._opened:
             raise StorageError("the state store is unavailable")
+        logs = self._pending_logs(table, keys)
+        records = await self._read_strict(table, [*keys, *(log for log in logs if log not in set(keys))])
+        if logs:
+            await self._overlay_logs(table, records, logs)
+        for key, value in self._pending(table, keys).items():  # this proxy's own writes, not yet in the store
+            if value is None:
+                records.pop(key, None)
+            else:
+                records[key] = value
+        return {key: records[key] for key in keys if key in records} if logs else records
+
+    async def _read_strict(self, table: str, keys: Sequence[bytes]) -> dict[bytes, bytes]:
+        assert self.storage is not None
         try:
             records = await asyncio.wait_for(self.storage.get(table, keys), STRICT_READ_TIMEOUT)
         except (StorageError, asyncio.TimeoutError) as e:
@@ -257,12 +281,56 @@ class StateStore:
             self._failed(error)
             raise error from None
         self._worked()
-        for key, value in self._pending(table, keys).items():  # this proxy's own writes, not yet in the store
-            if value is None:
-                records.pop(key, None)
-            else:
-                records[key] = value
         return records
+
+    def _pending_logs(self, table: str, keys: Sequence[bytes]) -> dict[bytes, list[tuple[Write, bool]]]:
+        """This proxy's log writes the store may not have yet, per log that
+        ``keys`` name (its length record or an entry), in order, each with
+        whether it may have landed already (the batch the writer is on, or
+        whose outcome a failure left unknown: the first waiting) or surely
+        not (behind it: writes land in order)."""
+        if not self._unwritten and not self._queued:
+            return {}
+        batches = [(u.writes, i == 0) for i, u in enumerate(self._unwritten)] + [(w, False) for w in self._queued]
+        logs: dict[bytes, list[tuple[Write, bool]]] = {}
+        for writes, maybe in batches:
+            for w in writes:
+                if w.log and w.table == table:
+                    logs.setdefault(w.key, []).append((w, maybe))
+        if not logs:
+            return {}
+        named = set(keys) | {key[:-LOG_INDEX_SIZE] for key in keys if len(key) > LOG_INDEX_SIZE}
+        return {log: writes for log, writes in logs.items() if log in named}
+
+    async def _overlay_logs(self, table: str, records: dict[bytes, bytes],
+                            logs: dict[bytes, list[tuple[Write, bool]]]) -> None:
+        """Read this proxy's pending log writes on top of the store, as the
+        store will number them: appends at the end, each once. Those that may
+        have landed (one batch: a log's part of it lands whole or not at all)
+        count as landed when one of their entries (sealed: no two alike) is
+        among the log's last entries (``LANDED_LOOKBACK`` beyond theirs)."""
+        lengths = {log: log_length(records.get(log)) if log in records else None for log in logs}
+        tails = [log_entry(log, n) for log, writes in logs.items() if any(maybe for _, maybe in writes)
+                 and (length := lengths[log]) for n in range(max(0, length - len(writes) - LANDED_LOOKBACK), length)]
+        tail = await self._read_strict(table, tails) if tails else {}
+        for log, writes in logs.items():
+            stored = {value for key, value in tail.items() if key[:-LOG_INDEX_SIZE] == log}
+            landed = any(maybe and write.value in stored for write, maybe in writes)
+            length, added, dropped = lengths[log], {}, False
+            for write, maybe in writes:
+                if maybe and landed:
+                    continue
+                if write.log == "drop":
+                    length, added, dropped = None, {}, True
+                elif length is not None or write.log == "start":
+                    length = 0 if length is None else length
+                    added[length], length = write.value, length + 1
+            if dropped:
+                for key in [key for key in records if key == log or key[:-LOG_INDEX_SIZE] == log]:
+                    del records[key]
+            if length is not None:
+                records[log] = log_length_record(length)
+                records.update({log_entry(log, n): value for n, value in added.items()})
 
     def _pending(self, table: str, keys: Sequence[bytes]) -> dict[bytes, bytes | None]:
         """Of ``keys``, those this proxy wrote and the store may not have yet
