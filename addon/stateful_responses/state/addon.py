@@ -261,8 +261,9 @@ class StateStore:
             return {}
         if self.storage is None or not self._opened:
             raise StorageError("the state store is unavailable")
-        logs = self._pending_logs(table, keys)
-        records = await self._read_strict(table, [*keys, *(log for log in logs if log not in set(keys))])
+        logs = self._pending_logs(table, keys)  # before the read: whatever leaves them meanwhile has landed
+        wanted = set(keys)
+        records = await self._read_strict(table, [*keys, *(log for log in logs if log not in wanted)])
         if logs:
             await self._overlay_logs(table, records, logs)
         for key, value in self._pending(table, keys).items():  # this proxy's own writes, not yet in the store
@@ -283,43 +284,37 @@ class StateStore:
         self._worked()
         return records
 
-    def _pending_logs(self, table: str, keys: Sequence[bytes]) -> dict[bytes, list[tuple[Write, bool]]]:
-        """This proxy's log writes the store may not have yet, per log that
-        ``keys`` name (its length record or an entry), in order, each with
-        whether it may have landed already (the batch the writer is on, or
-        whose outcome a failure left unknown: the first waiting) or surely
-        not (behind it: writes land in order)."""
+    def _pending_logs(self, table: str, keys: Sequence[bytes]) -> dict[bytes, list[Write]]:
+        """This proxy's log writes the store may not have yet (waiting, the
+        batch the writer is on included, or queued), per log that ``keys``
+        name (its length record or an entry), in the order they land."""
         if not self._unwritten and not self._queued:
             return {}
-        batches = [(u.writes, i == 0) for i, u in enumerate(self._unwritten)] + [(w, False) for w in self._queued]
-        logs: dict[bytes, list[tuple[Write, bool]]] = {}
-        for writes, maybe in batches:
+        logs: dict[bytes, list[Write]] = {}
+        for writes in (*(u.writes for u in self._unwritten), *self._queued):
             for w in writes:
                 if w.log and w.table == table:
-                    logs.setdefault(w.key, []).append((w, maybe))
+                    logs.setdefault(w.key, []).append(w)
         if not logs:
             return {}
         named = set(keys) | {key[:-LOG_INDEX_SIZE] for key in keys if len(key) > LOG_INDEX_SIZE}
         return {log: writes for log, writes in logs.items() if log in named}
 
-    async def _overlay_logs(self, table: str, records: dict[bytes, bytes],
-                            logs: dict[bytes, list[tuple[Write, bool]]]) -> None:
+    async def _overlay_logs(self, table: str, records: dict[bytes, bytes], logs: dict[bytes, list[Write]]) -> None:
         """Read this proxy's pending log writes on top of the store, as the
-        store will number them: appends at the end, each once. Those that may
-        have landed (one batch: a log's part of it lands whole or not at all)
-        count as landed when one of their entries (sealed: no two alike) is
-        among the log's last entries (``LANDED_LOOKBACK`` beyond theirs)."""
+        store will number them: appends at the end, each once. Writes land
+        in order, so those up to the last whose entry (sealed: no two alike)
+        is among the log's last entries as read (``LANDED_LOOKBACK`` beyond
+        theirs) landed before the read; the rest are added after them."""
         lengths = {log: log_length(records.get(log)) if log in records else None for log in logs}
-        tails = [log_entry(log, n) for log, writes in logs.items() if any(maybe for _, maybe in writes)
-                 and (length := lengths[log]) for n in range(max(0, length - len(writes) - LANDED_LOOKBACK), length)]
+        tails = [log_entry(log, n) for log, writes in logs.items() if (length := lengths[log])
+                 for n in range(max(0, length - len(writes) - LANDED_LOOKBACK), length)]
         tail = await self._read_strict(table, tails) if tails else {}
         for log, writes in logs.items():
             stored = {value for key, value in tail.items() if key[:-LOG_INDEX_SIZE] == log}
-            landed = any(maybe and write.value in stored for write, maybe in writes)
+            landed = max((n + 1 for n, w in enumerate(writes) if w.value is not None and w.value in stored), default=0)
             length, added, dropped = lengths[log], {}, False
-            for write, maybe in writes:
-                if maybe and landed:
-                    continue
+            for write in writes[landed:]:
                 if write.log == "drop":
                     length, added, dropped = None, {}, True
                 elif length is not None or write.log == "start":
