@@ -50,7 +50,10 @@ class Replica:
         raise AssertionError("the store did not connect")
 
     async def __aexit__(self, *exc) -> None:
+        storage = self.state.storage
         self.state.done()
+        if storage is not None:
+            await storage.close()  # before the task done() leaves it to, which the test's loop may never run
         self._context.__exit__(*exc)
 
     def tenant(self, n: int) -> Tenant:
