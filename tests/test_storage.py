@@ -948,6 +948,53 @@ async def test_a_write_a_stopped_master_fails_names_its_part_and_sending_the_bat
         cluster.stop()
 
 
+@pytest.mark.parametrize("kind", ["redis", "cluster"])
+async def test_a_read_on_connections_the_server_closed_is_answered_on_new_ones(kind, request, make_redis_at):
+    server = request.getfixturevalue("redis_server" if kind == "redis" else "redis_cluster")
+    storage = make_redis_at(server.url)
+    records = {shard_key(b"tenant-%d" % n, b"turn"): b"%d" % n for n in range(300)}
+    await storage.put("turns", records, ttl=600)
+    for node in getattr(server, "masters", [server]):  # as a restart, or an idle timeout, would
+        with redis.Redis(host="127.0.0.1", port=node.port) as admin:
+            assert admin.client_kill_filter(_type="normal", skipme=True) > 0
+    assert await storage.get("turns", list(records)) == records
+    assert await storage.put("turns", records, ttl=600) is None  # the read left connections that work
+
+
+async def test_a_stopped_master_fails_only_its_own_part_of_calls_in_flight_on_every_master(tmp_path, make_redis_at):
+    # The production default node timeout: the other masters serve their slots meanwhile.
+    cluster = start_redis_cluster(tmp_path / "cluster", node_timeout_ms=15000)
+    try:
+        storage = make_redis_at(cluster.url)
+        owners = [cluster.owner(key_slot(prefix)) for prefix in cluster_shards("stateful-responses")]
+
+        def on_stopped(key: bytes) -> bool:
+            return owners[zlib.crc32(key[:SHARD_TAG_SIZE]) % SHARDS] == 1
+
+        records = {shard_key(b"tenant-%d" % n, b"turn"): b"%d" % n for n in range(300)}
+        await storage.put("turns", records, ttl=600)
+        live = [key for key in records if not on_stopped(key)]
+        stopped = {key for key in records if on_stopped(key)}
+        cluster.stop_master(1)
+        unwritten: list[set[bytes]] = []
+
+        async def write() -> None:
+            try:
+                await storage.put("turns", records, ttl=600)
+            except StorageError as e:
+                unwritten.append({key for _, part, _ in e.unwritten.puts for key in part})
+
+        async def read(key: bytes) -> dict[bytes, bytes]:
+            return await storage.get("turns", [key])
+
+        for _ in range(20):  # a failed call's recovery never closes the connections other calls are on
+            outcomes = await asyncio.gather(write(), *(read(key) for key in live[:10]), write())
+            assert outcomes[1:-1] == [{key: records[key]} for key in live[:10]]
+        assert unwritten == [stopped] * 40
+    finally:
+        cluster.stop()
+
+
 async def test_a_master_that_stops_answering_times_out_then_recovers(own_redis_cluster, make_redis_at):
     cluster = own_redis_cluster
     storage = make_redis_at(cluster.url, timeout=0.3)

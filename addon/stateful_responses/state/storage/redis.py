@@ -372,7 +372,10 @@ class RedisStorage:
         if clustered:
             if self._database != 0:
                 raise StorageError(f"{self.name}: a Redis Cluster has database 0 only")
-            client = RedisCluster.from_url(self._url, retry=Retry(NoBackoff(), 1), **timeouts)
+            # No retries inside redis-py: a cluster pipeline retries by closing every
+            # connection of the client, the other masters' pipelines in flight with
+            # them. ``_call`` refreshes the slots and retries a read itself.
+            client = RedisCluster.from_url(self._url, retry=Retry(NoBackoff(), 0), **timeouts)
             self._shards = cluster_shards(self._tag)
         else:
             client = redis.asyncio.Redis.from_url(self._url, retry=Retry(NoBackoff(), 0), **timeouts)
@@ -386,7 +389,11 @@ class RedisStorage:
         self._evict_script = client.register_script(EVICT)
         return client
 
-    async def _call(self, operation: Callable[[Client], Awaitable[T]]) -> T:
+    async def _call(self, operation: Callable[[Client], Awaitable[T]], *, idempotent: bool = False) -> T:
+        """``operation`` on the client. One that may run twice (a read) and
+        lost its connection is tried once more, on a new connection (the server restarted, or closed
+        an idle one) and in a cluster on the slots' owners as it now names
+        them (a failover moved them)."""
         client = None
         try:
             client = await self._connection()
@@ -394,11 +401,23 @@ class RedisStorage:
         except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
             if client is not None and isinstance(
                     exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)):
-                if isinstance(client, RedisCluster):
-                    await client.aclose()  # every connection; the next call asks a node for the slots
-                else:
-                    await client.connection_pool.disconnect(inuse_connections=False)
+                await self._after_lost_connection(client)
+                if idempotent:
+                    return await self._call(operation)
             raise StorageError(f"{self.name}: {_describe(exc)}") from exc
+
+    @staticmethod
+    async def _after_lost_connection(client: Client) -> None:
+        """Drop idle connections (a server that restarted closed them), or in a
+        cluster ask a node again which master serves each slot. Connections in
+        use stay: other calls are in flight on them."""
+        if not isinstance(client, RedisCluster):
+            await client.connection_pool.disconnect(inuse_connections=False)
+            return
+        try:
+            await client.nodes_manager.initialize()
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError):
+            pass  # no node answered: the next call finds the same slots and fails as this one did
 
     @classmethod
     async def _run(cls, client: Client, calls: Sequence[ScriptCall]) -> list:
@@ -464,7 +483,8 @@ class RedisStorage:
 
     async def keyring(self, ours: bytes | None = None) -> tuple[bytes, tuple[bytes, ...]]:
         reply = await self._call(lambda client: self._keyring_script(
-            keys=[self._secret_key, self._secrets_key], args=[ours or os.urandom(32), b"1" if ours else b"0"]))
+            keys=[self._secret_key, self._secrets_key], args=[ours or os.urandom(32), b"1" if ours else b"0"]),
+            idempotent=True)  # it sets the secret only where there is none: twice is once
         self._secret = bytes(reply[0])
         return self._secret, tuple(bytes(s) for s in reply[1] if bytes(s) != self._secret)
 
@@ -479,7 +499,7 @@ class RedisStorage:
                 return await client.mget_nonatomic(names)  # one MGET per slot, pipelined
             return await client.mget(names)
 
-        values = await self._call(read)
+        values = await self._call(read, idempotent=True)
         return {key: value for key, value in zip(keys, values) if value is not None}
 
     async def put(self, table: str, records: Mapping[bytes, bytes], ttl: float) -> None:
@@ -640,7 +660,7 @@ class RedisStorage:
                 found.update((flat[i].removeprefix(prefix), flat[i + 1]) for i in range(0, len(flat), 2))
             return found
 
-        return await self._call(read)
+        return await self._call(read, idempotent=True)
 
     async def clear(self) -> None:
         await self._call(lambda client: self._run(
@@ -648,7 +668,7 @@ class RedisStorage:
 
     async def ping(self) -> None:
         await self._call(lambda client: client.ping(target_nodes=RedisCluster.PRIMARIES)
-                         if isinstance(client, RedisCluster) else client.ping())
+                         if isinstance(client, RedisCluster) else client.ping(), idempotent=True)
 
     async def close(self) -> None:
         client, self._client = self._client, None
