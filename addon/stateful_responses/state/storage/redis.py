@@ -391,9 +391,9 @@ class RedisStorage:
 
     async def _call(self, operation: Callable[[Client], Awaitable[T]], *, idempotent: bool = False) -> T:
         """``operation`` on the client. One that may run twice (a read) and
-        lost its connection is tried once more, on a new connection (the server restarted, or closed
-        an idle one) and in a cluster on the slots' owners as it now names
-        them (a failover moved them)."""
+        lost its connection is tried once more: on a new connection (the
+        server restarted, or closed an idle one), and in a cluster on the
+        slots' owners as it now names them (a failover moved them)."""
         client = None
         try:
             client = await self._connection()
