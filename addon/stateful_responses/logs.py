@@ -34,6 +34,7 @@ SOCKETS = "stateful_responses.websocket.sockets"  # what websockets says about t
 LIBRARIES = ("websockets", "redis", "push_response", SOCKETS)
 LEVEL = logging.WARNING
 WITHHELD = "withheld: it may quote a request or a credential"
+_PREFIXES = tuple(name + "." for name in LIBRARIES)
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _WRAPPED = "_stateful_responses_wraps"  # the factory ours wraps, on ours (a reload wraps that one again)
 
@@ -63,7 +64,7 @@ def strip(record: logging.LogRecord) -> None:
     place, before any handler formats it."""
     exc_info = record.exc_info
     exception = exc_info[1] if isinstance(exc_info, tuple) else None
-    library = any(record.name == n or record.name.startswith(n + ".") for n in LIBRARIES)
+    library = record.name in LIBRARIES or record.name.startswith(_PREFIXES)
     if not library and not (exception is not None and _passes_through_ours(exception)):
         return
     message = str(record.msg)
