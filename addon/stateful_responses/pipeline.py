@@ -9,6 +9,7 @@ from .counters import Counters
 from .forward.addon import ForwardMode
 from .forward.planner import Planner
 from .heap import FrozenStartupHeap
+from .logs import quiet_libraries
 from .options import Options
 from .proofs import Proofs
 from .request_reader import Reader
@@ -28,6 +29,7 @@ from .websocket.addon import WebSocketBridge
 
 
 def make_addons() -> list:
+    quiet_libraries()  # before any of them logs: mitmproxy lets every level through
     config, counters, tenancy = Config(), Counters(), Tenancy()
     upstreams = Upstreams(config, tenancy)
     reader = Reader(config, counters, tenancy)

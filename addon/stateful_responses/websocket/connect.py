@@ -14,6 +14,7 @@ upstream may decline it).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import ssl
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.protocol import State
 
 from ..bounded import Bounded
+from ..logs import SOCKETS
 
 OPEN_TIMEOUT_S = 10.0  # connect, TLS and the upgrade; then the turn goes over HTTP
 PING_S = 20.0  # a keepalive ping this often; no pong within as long closes the socket
@@ -154,7 +156,8 @@ async def open_socket(target: Target, tls: TLSOptions) -> UpstreamSocket:
             target.url, additional_headers=list(target.headers), user_agent_header=None,
             proxy=None,  # mitmproxy's own connections ignore HTTPS_PROXY; so does the bridge
             open_timeout=OPEN_TIMEOUT_S, ping_interval=PING_S, ping_timeout=PING_S, max_size=MAX_MESSAGE,
-            ssl=context, host=target.host, port=target.port)
+            ssl=context, host=target.host, port=target.port,
+            logger=logging.getLogger(SOCKETS))  # quiet: websockets' own debug lines quote headers and frames
     except InvalidStatus as e:
         raise Refused(e.response.status_code) from None
     except (OSError, TimeoutError, InvalidHandshake, InvalidURI, ssl.SSLError, ValueError) as e:
