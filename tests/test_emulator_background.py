@@ -37,7 +37,7 @@ def poll_until_finished(emu, response_id: str) -> tuple[set[str], dict]:
 
 
 def test_answered_queued_then_polled_to_completion(emulator):
-    emulator.model.control({"background_delay_ms": 300})
+    emulator.model.control({"background_delay_ms": 2000})  # queued for 1 s: a loaded machine still polls in time
     queued = start(emulator)
     assert (queued["status"], queued["background"], queued["output"], queued["usage"]) == ("queued", True, [], None)
     assert emulator.model.snapshot_log()[-1]["stored"] is False
