@@ -35,7 +35,7 @@ from stateful_responses.websocket.messages import (
     sse_event,
     tip_after,
 )
-from stateful_responses.websocket.pool import ROTATE_AFTER, Pool
+from stateful_responses.websocket.pool import LIVE_S, ROTATE_AFTER, Choice, Declined, Pool
 from stateful_responses.websocket.relay import Turn, relay
 from websockets.exceptions import ConnectionClosedError
 
@@ -216,7 +216,7 @@ def opened(p: Pool, scope: str = "s", tip: Tip | None = None):
     return choice.held
 
 
-def test_a_turn_takes_the_socket_whose_memory_it_extends_else_a_new_one_else_the_least_recently_used():
+def test_a_turn_takes_the_socket_whose_memory_it_extends_else_a_new_one_else_http():
     p, clock = pool(max_per_scope=2)
     tip = tip_of()
     remembering = opened(p, tip=tip)
@@ -229,7 +229,7 @@ def test_a_turn_takes_the_socket_whose_memory_it_extends_else_a_new_one_else_the
     # two turns of one branch at once: the second cannot continue on the busy socket, takes the other one
     second = p.choose("s", ROOT, nxt, {})
     assert (second.held, second.continued, second.fresh) == (other, None, False)
-    assert p.choose("s", ROOT, nxt, {}) is None  # all busy at the cap: HTTP
+    assert p.choose("s", ROOT, nxt, {}) == Declined("busy")  # all busy at the cap: HTTP
     new_scope = p.choose("t", ROOT, nxt, {})
     assert new_scope.fresh and len(p) == 3
 
@@ -239,6 +239,54 @@ def test_a_full_turn_prefers_a_new_socket_to_taking_another_branchs_memory():
     remembering = opened(p, tip=tip_of())
     choice = p.choose("s", ROOT, digests([{"role": "user", "content": "another conversation"}]), {})
     assert choice.fresh and choice.held is not remembering and remembering.tip is not None
+
+
+def conversation(n: int, turns: int) -> tuple[list, Tip]:
+    """Conversation ``n`` after ``turns`` answered turns: its history and the tip of its latest answer."""
+    history: list = []
+    tip = None
+    for t in range(turns):
+        history.append({"role": "user", "content": f"conversation {n} turn {t}"})
+        response = {"id": f"resp_{n}_{t}", "status": "completed",
+                    "output": [{"type": "message", "id": f"msg_{n}_{t}", "status": "completed", "role": "assistant",
+                                "content": [{"type": "output_text", "text": f"answer {n} {t}", "annotations": []}]}]}
+        tip = tip_of(response, history)
+        history = history + response["output"]
+    return history, tip
+
+
+def test_more_conversations_than_sockets_never_take_a_live_conversations_memory():
+    """Six conversations in turn over four sockets: replacing the least recently used memory would make
+    every turn whole (each evicts what the next one needs); the four that hold sockets keep them and
+    stay continued, the other two go over HTTP every turn, until a socket's memory goes stale."""
+    p, clock = pool(max_per_scope=4)
+    held: dict[int, object] = {}
+    for turns in range(1, 5):
+        for n in range(6):
+            history, tip = conversation(n, turns)
+            clock.now += 1
+            choice = p.choose("s", ROOT, digests(history[:-1] + [{"role": "user", "content": "next"}]), {})
+            if n >= 4:
+                assert choice == Declined("live")
+                continue
+            assert isinstance(choice, Choice)
+            if turns == 1:
+                assert choice.fresh and choice.continued is None
+                p.opened(choice.held, Connection())
+                held[n] = choice.held
+            else:
+                assert choice.held is held[n] and choice.continued is not None
+            p.release(choice.held, tip)
+    # a conversation whose socket went unused for LIVE_S gives its place to one that runs now
+    clock.now += LIVE_S - 5
+    for n in (1, 2, 3):
+        history, tip = conversation(n, 5)
+        choice = p.choose("s", ROOT, digests(history[:-1]), {})
+        assert choice.held is held[n]
+        p.release(choice.held, tip)
+    clock.now += 5
+    newcomer = p.choose("s", ROOT, digests([{"role": "user", "content": "conversation 4 turn 0"}]), {})
+    assert isinstance(newcomer, Choice) and newcomer.held is held[0] and newcomer.continued is None
 
 
 def test_idle_sockets_close():
@@ -278,7 +326,7 @@ def test_the_total_bound_holds_across_scopes():
     p, _ = pool(max_per_scope=5, max_total=2)
     opened(p, "a")
     opened(p, "b")
-    assert p.choose("c", ROOT, digests(HISTORY), {}) is None
+    assert p.choose("c", ROOT, digests(HISTORY), {}) == Declined("busy")
     assert len(p.close_all()) == 2 and len(p) == 0
 
 
