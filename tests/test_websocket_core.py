@@ -23,7 +23,7 @@ from stateful_responses.items import item_digest
 from stateful_responses.request_reader import Reader, Reading, Request
 from stateful_responses.answer_reader import SSEParser
 from stateful_responses.websocket.addon import target_of
-from stateful_responses.websocket.connect import Refused
+from stateful_responses.websocket.connect import COMPRESS_UP_TO, Refused, Target, TLSOptions, open_socket
 from stateful_responses.websocket.loopback import Answer
 from stateful_responses.websocket.messages import (
     Tip,
@@ -328,6 +328,50 @@ def test_the_total_bound_holds_across_scopes():
     opened(p, "b")
     assert p.choose("c", ROOT, digests(HISTORY), {}) == Declined("busy")
     assert len(p.close_all()) == 2 and len(p) == 0
+
+
+# -- the connection ---------------------------------------------------------------------------------
+
+
+async def test_a_large_message_goes_uncompressed_and_small_ones_compressed_on_one_context():
+    """Compressing runs on the event loop: a message over the bound is sent as it is (RSV1 clear), and the
+    compressor's context, used for the small ones before and after it, stays valid on both sides."""
+    from websockets.asyncio.server import serve
+    from websockets.extensions.permessage_deflate import ServerPerMessageDeflateFactory
+    from websockets.frames import Opcode
+
+    flags: list[bool] = []
+
+    class Recording(ServerPerMessageDeflateFactory):
+        def process_request_params(self, params, accepted_extensions):
+            response, extension = super().process_request_params(params, accepted_extensions)
+            decode = extension.decode
+
+            def recorded(frame, **kwargs):
+                if frame.opcode in (Opcode.TEXT, Opcode.BINARY):
+                    flags.append(frame.rsv1)
+                return decode(frame, **kwargs)
+
+            extension.decode = recorded
+            return response, extension
+
+    received: list[bytes] = []
+
+    async def handler(ws) -> None:
+        async for message in ws:
+            received.append(message.encode())
+
+    small = json.dumps({"type": "response.create", "input": [{"role": "user", "content": "hi " * 100}]}).encode()
+    large = json.dumps({"type": "response.create", "input": "x" * (COMPRESS_UP_TO + 1)}).encode()
+    async with serve(handler, "127.0.0.1", 0, extensions=[Recording()], max_size=None) as server:
+        port = server.sockets[0].getsockname()[1]
+        target = Target(f"ws://127.0.0.1:{port}/v1/responses", "127.0.0.1", "127.0.0.1", port, ())
+        upstream = await open_socket(target, TLSOptions())
+        for message in (small, large, small):
+            await upstream.send(message)
+        await upstream.close()
+    assert received == [small, large, small]
+    assert flags == [True, False, True]
 
 
 # -- the relay --------------------------------------------------------------------------------------
