@@ -189,9 +189,10 @@ async def open_socket(target: Target, tls: TLSOptions) -> UpstreamSocket:
         context = await ssl_context(tls, target.server_name) if secure else None
         connection = await connect(
             target.url, additional_headers=list(target.headers), user_agent_header=None,
+            extensions=[LargeUncompressedFactory()],  # deflate, but not on the event loop for large messages
             proxy=None,  # mitmproxy's own connections ignore HTTPS_PROXY; so does the bridge
             open_timeout=OPEN_TIMEOUT_S, ping_interval=PING_S, ping_timeout=PING_S, max_size=MAX_MESSAGE,
-            extensions=[LargeUncompressedFactory()], ssl=context, host=target.host, port=target.port)
+            ssl=context, host=target.host, port=target.port)
     except InvalidStatus as e:
         raise Refused(e.response.status_code) from None
     except (OSError, TimeoutError, InvalidHandshake, InvalidURI, ssl.SSLError, ValueError) as e:
