@@ -1187,11 +1187,44 @@ def websocket_first_event(quick: bool) -> list[str]:
             "does."]
 
 
+def direct_turns(url: str, turns: int, tag: str) -> dict[str, list[float]]:
+    """The upstream alone, no proxy: a conversation continued by ``previous_response_id`` over HTTP (stored)
+    and on a socket of the client's own, each turn's time to its whole answer."""
+    import websockets.sync.client
+
+    times: dict[str, list[float]] = {"direct http": [], "direct socket": []}
+    body = {"model": "gpt-bench", "tools": TOOLS, "instructions": INSTRUCTIONS}
+    with httpx.Client(trust_env=False, timeout=60) as http:
+        previous = None
+        for n in range(turns):
+            data = {**body, "input": [{"role": "user", "content": f"{tag} http turn {n}"}],
+                    **({"previous_response_id": previous} if previous else {})}
+            started = time.perf_counter()
+            r = http.post(url + "/v1/responses", json=data, headers=AUTH)
+            times["direct http"].append(time.perf_counter() - started)
+            previous = r.json()["id"]
+    with websockets.sync.client.connect(url.replace("http", "ws", 1) + "/v1/responses", additional_headers=AUTH,
+                                        proxy=None) as ws:
+        previous = None
+        for n in range(turns):
+            message = {"type": "response.create", **body, **STORE_FALSE,
+                       "input": [{"role": "user", "content": f"{tag} socket turn {n}"}],
+                       **({"previous_response_id": previous} if previous else {})}
+            started = time.perf_counter()
+            ws.send(json.dumps(message))
+            while (event := json.loads(ws.recv(timeout=30)))["type"] != "response.completed":
+                pass
+            times["direct socket"].append(time.perf_counter() - started)
+            previous = event["response"]["id"]
+    return {k: v[2:] for k, v in times.items()}
+
+
 def websocket_latency(quick: bool) -> list[str]:
-    """The time a request takes through each path, no uplink limit: what the bridge adds per request."""
+    """The time a request takes through each path, no uplink limit: what the bridge adds per request, next
+    to what the upstream's own two transports differ by."""
     turns, rounds = (10, 3) if quick else (20, 9)
     names = ("plain", "http", "bridge")
-    seconds: dict[str, list[float]] = {name: [] for name in names}
+    seconds: dict[str, list[float]] = {name: [] for name in (*names, "direct http", "direct socket")}
     with Emulator() as emu:
         proxies = {"plain": start_mitmdump(emu.url, script=False), "http": start_mitmdump(emu.url),
                    "bridge": bridged(emu.url)}
@@ -1202,15 +1235,21 @@ def websocket_latency(quick: bool) -> list[str]:
                         steps = list(converse(http, [proxies[name].url], turns, f"latency {name} {n}",
                                               extra=STORE_FALSE))
                         seconds[name] += [step.seconds for step in steps[2:]]  # continued turns only
+                    for name, times in direct_turns(emu.url, turns, f"latency {n}").items():
+                        seconds[name] += times
         finally:
             for proxy in proxies.values():
                 proxy.stop()
     ms = {k: statistics.median(v) * 1000 for k, v in seconds.items()}
+    upstream = ms["direct socket"] - ms["direct http"]
     return ["| a continued request, JSON, `store: false`, no uplink limit (median of "
             f"{len(seconds['bridge'])}) | plain mitmdump (full history) | HTTP continuation (forward mode) "
-            "| the bridge | bridge − HTTP continuation (target ≤ +1 ms) |", "|---|---|---|---|---|",
+            "| the bridge | bridge − HTTP continuation (target ≤ +1 ms) | the upstream alone: HTTP / its socket "
+            "(`previous_response_id`) | the bridge's own share (less the upstream's socket − HTTP) |",
+            "|---|---|---|---|---|---|---|",
             f"| time per request | {ms['plain']:.1f} ms | {ms['http']:.1f} ms | {ms['bridge']:.1f} ms | "
-            f"**{ms['bridge'] - ms['http']:+.1f} ms** |"]
+            f"**{ms['bridge'] - ms['http']:+.1f} ms** | {ms['direct http']:.1f} / {ms['direct socket']:.1f} ms | "
+            f"{ms['bridge'] - ms['http'] - upstream:+.1f} ms |"]
 
 
 def serve_recording(ports: multiprocessing.Queue, stop: multiprocessing.synchronize.Event) -> None:
@@ -1230,7 +1269,7 @@ def serve_recording(ports: multiprocessing.Queue, stop: multiprocessing.synchron
             decode = extension.decode
 
             def recorded(frame, **kwargs):
-                if frame.opcode in (Opcode.TEXT, Opcode.BINARY):
+                if frame.opcode in (Opcode.TEXT, Opcode.BINARY, Opcode.CONT):
                     frames.append((frame.rsv1, len(frame.data)))
                 return decode(frame, **kwargs)
 
@@ -1271,9 +1310,12 @@ def large_history(size: int) -> bytes:
     return json.dumps({"type": "response.create", "model": "gpt-bench", "input": items, **STORE_FALSE}).encode()
 
 
-async def deflate_case(url: str, extensions, deltas: list[bytes], large: bytes) -> tuple[int, float, int, bool]:
+async def deflate_case(url: str, extensions, deltas: list[bytes], large: bytes,
+                       whole: bool) -> tuple[int, float, int, bool]:
     """Wire bytes of ``deltas``; then the longest the event loop was held while ``large`` was sent (a 1 ms
-    ticker's longest gap, less its tick), its wire bytes, and whether it went compressed."""
+    ticker's longest gap, less its tick), its wire bytes, and whether it went compressed. ``whole``: in one
+    frame, else as the bridge sends it (``UpstreamSocket.send``: frames of 1 MB)."""
+    from stateful_responses.websocket.connect import UpstreamSocket
     from websockets.asyncio.client import connect
 
     async with connect(url, extensions=extensions, compression="deflate" if extensions else None,
@@ -1296,13 +1338,13 @@ async def deflate_case(url: str, extensions, deltas: list[bytes], large: bytes) 
 
         task = asyncio.create_task(ticker())
         await asyncio.sleep(0.05)
-        await ws.send(large, text=True)
+        await (ws.send(large, text=True) if whole else UpstreamSocket(ws).send(large))
         await ws.recv()
         done.set()
         await task
         await ws.send("report")
         sent = json.loads(await ws.recv())
-    compressed, wire = sent[0] if sent else (False, len(large))
+    compressed, wire = (sent[0][0], sum(size for _, size in sent)) if sent else (False, len(large))
     return small, (max(gaps) - 0.001) * 1000, wire, bool(compressed)
 
 
@@ -1322,15 +1364,18 @@ def websocket_deflate(quick: bool) -> list[str]:
     server = fork.Process(target=serve_recording, args=(ports, stop), daemon=True)
     server.start()
     url = f"ws://127.0.0.1:{ports.get(timeout=30)}/v1/responses"
-    cases = {"every message deflated (websockets' default, before)":
-             lambda: [ClientPerMessageDeflateFactory(compress_settings={"memLevel": 5})],
-             f"up to {COMPRESS_UP_TO // 1024} kB deflated, larger as they are (the bridge)":
-             lambda: [LargeUncompressedFactory()],
-             "no permessage-deflate (declined)": lambda: None}
+    cases = {"every message deflated, in one frame (websockets' default, before)":
+             (lambda: [ClientPerMessageDeflateFactory(compress_settings={"memLevel": 5})], True),
+             f"up to {COMPRESS_UP_TO // 1024} kB deflated, larger as they are, in one frame":
+             (lambda: [LargeUncompressedFactory()], True),
+             f"up to {COMPRESS_UP_TO // 1024} kB deflated, larger as they are, in 1 MB frames (the bridge)":
+             (lambda: [LargeUncompressedFactory()], False),
+             "no permessage-deflate (declined), in one frame": (lambda: None, True),
+             "no permessage-deflate (declined), in 1 MB frames (the bridge)": (lambda: None, False)}
     rows = []
     try:
-        for what, extensions in cases.items():
-            runs = [asyncio.run(deflate_case(url, extensions(), deltas, large)) for _ in range(rounds)]
+        for what, (extensions, whole) in cases.items():
+            runs = [asyncio.run(deflate_case(url, extensions(), deltas, large, whole)) for _ in range(rounds)]
             small, _, wire, compressed = runs[0]
             stall = statistics.median(run[1] for run in runs)
             rows.append(f"| {what} | **{stall:.0f} ms** | {wire / 1e6:.1f} MB{' (deflated)' if compressed else ''} | "

@@ -23,7 +23,7 @@ from stateful_responses.items import item_digest
 from stateful_responses.request_reader import Reader, Reading, Request
 from stateful_responses.answer_reader import SSEParser
 from stateful_responses.websocket.addon import target_of
-from stateful_responses.websocket.connect import COMPRESS_UP_TO, Refused, Target, TLSOptions, open_socket
+from stateful_responses.websocket.connect import COMPRESS_UP_TO, FRAGMENT, Refused, Target, TLSOptions, open_socket
 from stateful_responses.websocket.loopback import Answer
 from stateful_responses.websocket.messages import (
     Tip,
@@ -335,12 +335,13 @@ def test_the_total_bound_holds_across_scopes():
 
 async def test_a_large_message_goes_uncompressed_and_small_ones_compressed_on_one_context():
     """Compressing runs on the event loop: a message over the bound is sent as it is (RSV1 clear), and the
-    compressor's context, used for the small ones before and after it, stays valid on both sides."""
+    compressor's context, used for the small ones before and after it, stays valid on both sides. A message
+    over ``FRAGMENT`` goes in frames of that size, each masked and written in turn."""
     from websockets.asyncio.server import serve
     from websockets.extensions.permessage_deflate import ServerPerMessageDeflateFactory
     from websockets.frames import Opcode
 
-    flags: list[bool] = []
+    flags: list[tuple[str, bool]] = []
 
     class Recording(ServerPerMessageDeflateFactory):
         def process_request_params(self, params, accepted_extensions):
@@ -348,8 +349,8 @@ async def test_a_large_message_goes_uncompressed_and_small_ones_compressed_on_on
             decode = extension.decode
 
             def recorded(frame, **kwargs):
-                if frame.opcode in (Opcode.TEXT, Opcode.BINARY):
-                    flags.append(frame.rsv1)
+                if frame.opcode in (Opcode.TEXT, Opcode.CONT):
+                    flags.append((frame.opcode.name, frame.rsv1))
                 return decode(frame, **kwargs)
 
             extension.decode = recorded
@@ -363,15 +364,17 @@ async def test_a_large_message_goes_uncompressed_and_small_ones_compressed_on_on
 
     small = json.dumps({"type": "response.create", "input": [{"role": "user", "content": "hi " * 100}]}).encode()
     large = json.dumps({"type": "response.create", "input": "x" * (COMPRESS_UP_TO + 1)}).encode()
+    huge = json.dumps({"type": "response.create", "input": "y" * 2 * FRAGMENT})[:2 * FRAGMENT + 1].encode()
     async with serve(handler, "127.0.0.1", 0, extensions=[Recording()], max_size=None) as server:
         port = server.sockets[0].getsockname()[1]
         target = Target(f"ws://127.0.0.1:{port}/v1/responses", "127.0.0.1", "127.0.0.1", port, ())
         upstream = await open_socket(target, TLSOptions())
-        for message in (small, large, small):
+        for message in (small, large, huge, small):
             await upstream.send(message)
         await upstream.close()
-    assert received == [small, large, small]
-    assert flags == [True, False, True]
+    assert received == [small, large, huge, small]
+    assert flags == [("TEXT", True), ("TEXT", False), ("TEXT", False), ("CONT", False), ("CONT", False),
+                     ("CONT", False), ("TEXT", True)]
 
 
 # -- the relay --------------------------------------------------------------------------------------

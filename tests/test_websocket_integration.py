@@ -32,6 +32,7 @@ from driver import (
 from mitmproxy import io as flow_io
 from stateful_responses.view import render
 from stateful_responses.websocket.addon import UNCLAIMED_S
+from stateful_responses.websocket.connect import FRAGMENT
 from stateful_responses.websocket.messages import sse_event
 
 AUTH = {"authorization": "Bearer sk-test-key"}
@@ -102,6 +103,19 @@ def test_the_openai_sdk_over_twelve_tool_turns_is_continued_on_one_socket_with_s
     audit = [entry["reason"] for entry in lines[-1]["audit"]["protocolMapping"]["preserved"]]
     assert any(reason.startswith("continued over the upstream's WebSocket from resp_") for reason in audit)
     assert "ws: continued from resp_" in proxy.output() and "forced" not in proxy.output()
+
+
+def test_a_turn_larger_than_a_frame_reaches_the_upstream_whole_and_is_continued(emulator, bridge):
+    """A message over a megabyte goes in several frames (the event loop masks and writes one at a time)."""
+    proxy = bridge()
+    conv = Conversation(proxy.url, options={"store": False})
+    conv.history.append({"role": "user", "content": "a long document: " + "lorem ipsum " * 250_000})
+    converse(conv, 2)
+    log = records(emulator)
+    assert conv.sent[0].size > 2 * FRAGMENT
+    assert_context_preserved(conv.sent, log)
+    assert [(r["transport"], r["continued"]) for r in log] == [("websocket", False)] + [("websocket", True)] * (
+        len(log) - 1) and len(log) >= 2
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])

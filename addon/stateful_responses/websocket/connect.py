@@ -34,6 +34,7 @@ from ..bounded import Bounded
 OPEN_TIMEOUT_S = 10.0  # connect, TLS and the upgrade; then the turn goes over HTTP
 PING_S = 20.0  # a keepalive ping this often; no pong within as long closes the socket
 MAX_MESSAGE = 64 * 1024 * 1024  # the largest event taken from the upstream (a long answer's terminal event)
+FRAGMENT = 1024 * 1024  # a larger message goes in frames of this size (RFC 6455 fragmentation)
 COMPRESS_UP_TO = 16 * 1024  # larger messages go uncompressed: deflate costs ~0.05 ms per kB of the event loop
 
 
@@ -113,8 +114,14 @@ class UpstreamSocket:
         return self._connection.state is State.OPEN
 
     async def send(self, message: bytes) -> None:
-        """One text message (the bytes are the client's JSON, valid UTF-8)."""
-        await self._connection.send(message, text=True)
+        """One text message (the bytes are the client's JSON, valid UTF-8); a
+        large one in frames of ``FRAGMENT``, each masked and written as the
+        connection takes it, so that the event loop is never held for all of it."""
+        if len(message) <= FRAGMENT:
+            await self._connection.send(message, text=True)
+            return
+        view = memoryview(message)
+        await self._connection.send((view[i:i + FRAGMENT] for i in range(0, len(view), FRAGMENT)), text=True)
 
     async def recv(self) -> bytes:
         """The next message, its bytes as they came; ConnectionClosed once the socket is gone."""
