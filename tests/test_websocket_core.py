@@ -35,7 +35,7 @@ from stateful_responses.websocket.messages import (
     sse_event,
     tip_after,
 )
-from stateful_responses.websocket.pool import LIVE_S, ROTATE_AFTER, Choice, Declined, Pool
+from stateful_responses.websocket.pool import LIVE_GAPS, LIVE_S, ROTATE_AFTER, Choice, Declined, Pool
 from stateful_responses.websocket.relay import Turn, relay
 from websockets.exceptions import ConnectionClosedError
 
@@ -258,7 +258,8 @@ def conversation(n: int, turns: int) -> tuple[list, Tip]:
 def test_more_conversations_than_sockets_never_take_a_live_conversations_memory():
     """Six conversations in turn over four sockets: replacing the least recently used memory would make
     every turn whole (each evicts what the next one needs); the four that hold sockets keep them and
-    stay continued, the other two go over HTTP every turn, until a socket's memory goes stale."""
+    stay continued, the other two go over HTTP every turn; a conversation that stays away three times its
+    pace (one of unknown pace: LIVE_S) gives its socket to a new one."""
     p, clock = pool(max_per_scope=4)
     held: dict[int, object] = {}
     for turns in range(1, 5):
@@ -277,16 +278,25 @@ def test_more_conversations_than_sockets_never_take_a_live_conversations_memory(
             else:
                 assert choice.held is held[n] and choice.continued is not None
             p.release(choice.held, tip)
-    # a conversation whose socket went unused for LIVE_S gives its place to one that runs now
-    clock.now += LIVE_S - 5
-    for n in (1, 2, 3):
-        history, tip = conversation(n, 5)
-        choice = p.choose("s", ROOT, digests(history[:-1]), {})
-        assert choice.held is held[n]
-        p.release(choice.held, tip)
-    clock.now += 5
-    newcomer = p.choose("s", ROOT, digests([{"role": "user", "content": "conversation 4 turn 0"}]), {})
-    assert isinstance(newcomer, Choice) and newcomer.held is held[0] and newcomer.continued is None
+    # each conversation came back every 6 s: a socket unused for three times that holds one that ended
+    newcomer = digests([{"role": "user", "content": "another conversation"}])
+    clock.now += LIVE_GAPS * 6 - 6  # conversation 0 last answered 5 s before the loop's end
+    assert p.choose("s", ROOT, newcomer, {}) == Declined("live")
+    clock.now += 1
+    choice = p.choose("s", ROOT, newcomer, {})
+    assert isinstance(choice, Choice) and choice.held is held[0] and choice.continued is None
+    # its newcomer has shown no pace yet: its memory is live for LIVE_S
+    p.release(choice.held, tip_of())
+    clock.now += LIVE_GAPS * 6
+    assert p.choose("s", ROOT, newcomer, {}).held is held[1]
+    p.release(held[1], None)
+    clock.now += LIVE_S - LIVE_GAPS * 6 - 1
+    assert p.choose("s", ROOT, digests([{"role": "user", "content": "a third"}]), {}).held is held[1]
+    assert p.choose("s", ROOT, digests([{"role": "user", "content": "a fourth"}]), {}).held is held[2]
+    assert p.choose("s", ROOT, digests([{"role": "user", "content": "a fifth"}]), {}).held is held[3]
+    assert p.choose("s", ROOT, digests([{"role": "user", "content": "a sixth"}]), {}) == Declined("live")
+    clock.now += 1
+    assert p.choose("s", ROOT, digests([{"role": "user", "content": "a sixth"}]), {}).held is held[0]
 
 
 def test_idle_sockets_close():
