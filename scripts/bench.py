@@ -22,8 +22,11 @@
   websocket  the WebSocket bridge: upstream bytes vs the delta-only limit, turn
            time over a 10 Mbit/s uplink next to HTTP continuation and plain
            mitmdump, first-event time next to a socket of the client's own,
-           memory per held socket and per bridged turn (websocket_bytes,
-           websocket_uplink, websocket_first_event, websocket_memory: one part)
+           memory per held socket and per bridged turn, the time a request
+           takes next to HTTP continuation, the event loop held by a 16 MB
+           turn with permessage-deflate (websocket_bytes, websocket_uplink,
+           websocket_latency, websocket_first_event, websocket_deflate,
+           websocket_memory: one part)
   storage  the storage layer alone with 1 M forward-mode conversations (20,000
            with --quick) in each store, a Redis Cluster of three masters
            included: memory per conversation and per emulated turn, p50 / p99
@@ -1158,28 +1161,235 @@ def websocket_first_event(quick: bool) -> list[str]:
         emu.model.control({"slow_ms": 15})
         plain, streaming = start_mitmdump(emu.url, script=False), \
             start_mitmdump(emu.url, "--set", "stream_large_bodies=1", script=False)
-        proxy = bridged(emu.url)
+        forward, proxy = start_mitmdump(emu.url), bridged(emu.url)
         try:
             first = {"socket": direct_socket_times(emu.url, rounds), "direct": first_event_times(emu.url, rounds),
                      "plain": first_event_times(plain.url, rounds), "streaming": first_event_times(streaming.url, rounds),
-                     "bridge": first_event_times(proxy.url, rounds)}
+                     "http": first_event_times(forward.url, rounds), "bridge": first_event_times(proxy.url, rounds)}
         finally:
-            for process in (plain, streaming, proxy):
+            for process in (plain, streaming, forward, proxy):
                 process.stop()
     warm = {k: statistics.median(v[1]) * 1000 for k, v in first.items()}
     cold = {k: v[0] * 1000 for k, v in first.items()}
     return ["| time to first event, 15 ms between events, `store: false` | a socket of the client's own "
             "| HTTP to the upstream | plain mitmdump | plain mitmdump, streaming (`stream_large_bodies=1`) "
-            "| HTTP client through the bridge | bridge − own socket | bridge − streaming mitmdump |",
-            "|---|---|---|---|---|---|---|---|",
+            "| HTTP continuation (forward mode) | HTTP client through the bridge | bridge − own socket "
+            "| bridge − streaming mitmdump (target ≤ +3 ms) | bridge − HTTP continuation |",
+            "|---|---|---|---|---|---|---|---|---|---|",
             *(f"| {what} | {t['socket']:.1f} ms | {t['direct']:.1f} ms | {t['plain']:.0f} ms | {t['streaming']:.1f} ms | "
-              f"{t['bridge']:.1f} ms | **{t['bridge'] - t['socket']:+.1f} ms** | {t['bridge'] - t['streaming']:+.1f} ms |"
+              f"{t['http']:.1f} ms | {t['bridge']:.1f} ms | {t['bridge'] - t['socket']:+.1f} ms | "
+              f"**{t['bridge'] - t['streaming']:+.1f} ms** | {t['bridge'] - t['http']:+.1f} ms |"
               for what, t in ((f"a conversation's later turns (median of {rounds})", warm),
                               ("its first turn (the socket opens)", cold))),
             "", "Plain mitmdump buffers an SSE answer whole (mitmproxy holds an unstreamed response until its end): its first event comes with the last. "
             "Streaming, mitmproxy's own HTTP hop is the floor of any addon; the bridge relays each event as it "
             "arrives, through it. The own socket's first turn includes its connect and upgrade, as the bridge's "
             "does."]
+
+
+def direct_turns(url: str, turns: int, tag: str) -> dict[str, list[float]]:
+    """The upstream alone, no proxy: a conversation continued by ``previous_response_id`` over HTTP (stored)
+    and on a socket of the client's own, each turn's time to its whole answer."""
+    import websockets.sync.client
+
+    times: dict[str, list[float]] = {"direct http": [], "direct socket": []}
+    body = {"model": "gpt-bench", "tools": TOOLS, "instructions": INSTRUCTIONS}
+    with httpx.Client(trust_env=False, timeout=60) as http:
+        previous = None
+        for n in range(turns):
+            data = {**body, "input": [{"role": "user", "content": f"{tag} http turn {n}"}],
+                    **({"previous_response_id": previous} if previous else {})}
+            started = time.perf_counter()
+            r = http.post(url + "/v1/responses", json=data, headers=AUTH)
+            times["direct http"].append(time.perf_counter() - started)
+            previous = r.json()["id"]
+    with websockets.sync.client.connect(url.replace("http", "ws", 1) + "/v1/responses", additional_headers=AUTH,
+                                        proxy=None) as ws:
+        previous = None
+        for n in range(turns):
+            message = {"type": "response.create", **body, **STORE_FALSE,
+                       "input": [{"role": "user", "content": f"{tag} socket turn {n}"}],
+                       **({"previous_response_id": previous} if previous else {})}
+            started = time.perf_counter()
+            ws.send(json.dumps(message))
+            while (event := json.loads(ws.recv(timeout=30)))["type"] != "response.completed":
+                pass
+            times["direct socket"].append(time.perf_counter() - started)
+            previous = event["response"]["id"]
+    return {k: v[2:] for k, v in times.items()}
+
+
+def websocket_latency(quick: bool) -> list[str]:
+    """The time a request takes through each path, no uplink limit: what the bridge adds per request, next
+    to what the upstream's own two transports differ by."""
+    turns, rounds = (10, 3) if quick else (20, 9)
+    names = ("plain", "http", "bridge")
+    seconds: dict[str, list[float]] = {name: [] for name in (*names, "direct http", "direct socket")}
+    with Emulator() as emu:
+        proxies = {"plain": start_mitmdump(emu.url, script=False), "http": start_mitmdump(emu.url),
+                   "bridge": bridged(emu.url)}
+        try:
+            with httpx.Client(trust_env=False, timeout=60) as http:
+                for n in range(rounds):
+                    for name in names:  # interleaved: the machine's load falls on each alike
+                        steps = list(converse(http, [proxies[name].url], turns, f"latency {name} {n}",
+                                              extra=STORE_FALSE))
+                        seconds[name] += [step.seconds for step in steps[2:]]  # continued turns only
+                    for name, times in direct_turns(emu.url, turns, f"latency {n}").items():
+                        seconds[name] += times
+        finally:
+            for proxy in proxies.values():
+                proxy.stop()
+    ms = {k: statistics.median(v) * 1000 for k, v in seconds.items()}
+    upstream = ms["direct socket"] - ms["direct http"]
+    return ["| a continued request, JSON, `store: false`, no uplink limit (median of "
+            f"{len(seconds['bridge'])}) | plain mitmdump (full history) | HTTP continuation (forward mode) "
+            "| the bridge | bridge − HTTP continuation (target ≤ +1 ms) | the upstream alone: HTTP / its socket "
+            "(`previous_response_id`) | the bridge's own share (less the upstream's socket − HTTP) |",
+            "|---|---|---|---|---|---|---|",
+            f"| time per request | {ms['plain']:.1f} ms | {ms['http']:.1f} ms | {ms['bridge']:.1f} ms | "
+            f"**{ms['bridge'] - ms['http']:+.1f} ms** | {ms['direct http']:.1f} / {ms['direct socket']:.1f} ms | "
+            f"{ms['bridge'] - ms['http'] - upstream:+.1f} ms |"]
+
+
+def serve_recording(ports: multiprocessing.Queue, stop: multiprocessing.synchronize.Event) -> None:
+    """A WebSocket server accepting permessage-deflate that records, per data frame it receives, whether it
+    came compressed (RSV1) and its bytes on the wire; ``report`` answers the records so far, anything else
+    ``ok``. In a process of its own: inflating 16 MB must not hold the measured process's GIL."""
+    from websockets.asyncio.server import serve
+    from websockets.extensions.permessage_deflate import ServerPerMessageDeflateFactory
+    from websockets.frames import Opcode
+
+    logging.getLogger("websockets").setLevel(logging.CRITICAL)
+    frames: list = []
+
+    class Recording(ServerPerMessageDeflateFactory):
+        def process_request_params(self, params, accepted_extensions):
+            response, extension = super().process_request_params(params, accepted_extensions)
+            decode = extension.decode
+
+            def recorded(frame, **kwargs):
+                if frame.opcode in (Opcode.TEXT, Opcode.BINARY, Opcode.CONT):
+                    frames.append((frame.rsv1, len(frame.data)))
+                return decode(frame, **kwargs)
+
+            extension.decode = recorded
+            return response, extension
+
+    async def handler(ws) -> None:
+        async for message in ws:
+            if message == "report":
+                await ws.send(json.dumps(frames))
+                frames.clear()
+            else:
+                await ws.send("ok")
+
+    async def main() -> None:
+        async with serve(handler, "127.0.0.1", 0, extensions=[Recording()], compression=None,
+                         max_size=None) as server:
+            ports.put(server.sockets[0].getsockname()[1])
+            await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+
+    asyncio.run(main())
+
+
+def large_history(size: int) -> bytes:
+    """A ``response.create`` of about ``size`` bytes: text turns and base64 tool outputs, as a long agent
+    history holds them."""
+    rng = random.Random(7)
+    words = "the quick brown fox jumps over a lazy dog weather in Paris tool call result".split()
+    items, total = [], 0
+    while total < size:
+        if rng.random() < 0.7:
+            item = {"role": "user", "content": " ".join(rng.choice(words) for _ in range(200))}
+        else:
+            item = {"type": "function_call_output", "call_id": f"call_{len(items)}",
+                    "output": rng.randbytes(3000).hex()}
+        items.append(item)
+        total += len(json.dumps(item))
+    return json.dumps({"type": "response.create", "model": "gpt-bench", "input": items, **STORE_FALSE}).encode()
+
+
+async def deflate_case(url: str, extensions, deltas: list[bytes], large: bytes,
+                       whole: bool) -> tuple[int, float, int, bool]:
+    """Wire bytes of ``deltas``; then the longest the event loop was held while ``large`` was sent (a 1 ms
+    ticker's longest gap, less its tick), its wire bytes, and whether it went compressed. ``whole``: in one
+    frame, else as the bridge sends it (``UpstreamSocket.send``: frames of 1 MB)."""
+    from stateful_responses.websocket.connect import UpstreamSocket
+    from websockets.asyncio.client import connect
+
+    async with connect(url, extensions=extensions, compression="deflate" if extensions else None,
+                       max_size=None, proxy=None) as ws:
+        for delta in deltas:
+            await ws.send(delta, text=True)
+            await ws.recv()
+        await ws.send("report")
+        small = sum(size for _, size in json.loads(await ws.recv())) or sum(map(len, deltas))  # none: no deflate
+        gaps: list[float] = []
+        done = asyncio.Event()
+
+        async def ticker() -> None:
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0.001)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0.05)
+        await (ws.send(large, text=True) if whole else UpstreamSocket(ws).send(large))
+        await ws.recv()
+        done.set()
+        await task
+        await ws.send("report")
+        sent = json.loads(await ws.recv())
+    compressed, wire = (sent[0][0], sum(size for _, size in sent)) if sent else (False, len(large))
+    return small, (max(gaps) - 0.001) * 1000, wire, bool(compressed)
+
+
+def websocket_deflate(quick: bool) -> list[str]:
+    """The event loop held by sending a 16 MB turn, and the wire bytes of small deltas: deflating every
+    message (websockets' default), deflating only messages up to ``COMPRESS_UP_TO`` (the bridge), none."""
+    from stateful_responses.websocket.connect import COMPRESS_UP_TO, LargeUncompressedFactory
+    from websockets.extensions.permessage_deflate import ClientPerMessageDeflateFactory
+
+    rounds = 1 if quick else 3
+    deltas = [json.dumps({"type": "response.create", "model": "gpt-bench", "tools": TOOLS,
+                          "instructions": INSTRUCTIONS, "input": [{"role": "user", "content": f"turn {n}: go on"}],
+                          "previous_response_id": f"resp_{n:032x}", **STORE_FALSE}).encode() for n in range(20)]
+    large = large_history(16_000_000)
+    fork = multiprocessing.get_context("fork")
+    ports, stop = fork.Queue(), fork.Event()
+    server = fork.Process(target=serve_recording, args=(ports, stop), daemon=True)
+    server.start()
+    url = f"ws://127.0.0.1:{ports.get(timeout=30)}/v1/responses"
+    cases = {"every message deflated, in one frame (websockets' default, before)":
+             (lambda: [ClientPerMessageDeflateFactory(compress_settings={"memLevel": 5})], True),
+             f"up to {COMPRESS_UP_TO // 1024} kB deflated, larger as they are, in one frame":
+             (lambda: [LargeUncompressedFactory()], True),
+             f"up to {COMPRESS_UP_TO // 1024} kB deflated, larger as they are, in 1 MB frames (the bridge)":
+             (lambda: [LargeUncompressedFactory()], False),
+             "no permessage-deflate (declined), in one frame": (lambda: None, True),
+             "no permessage-deflate (declined), in 1 MB frames (the bridge)": (lambda: None, False)}
+    rows = []
+    try:
+        for what, (extensions, whole) in cases.items():
+            runs = [asyncio.run(deflate_case(url, extensions(), deltas, large, whole)) for _ in range(rounds)]
+            small, _, wire, compressed = runs[0]
+            stall = statistics.median(run[1] for run in runs)
+            rows.append(f"| {what} | **{stall:.0f} ms** | {wire / 1e6:.1f} MB{' (deflated)' if compressed else ''} | "
+                        f"{small:,} B | {small / sum(map(len, deltas)):.2f} |")
+    finally:
+        stop.set()
+        server.join(10)
+    return [f"| permessage-deflate, a {len(large) / 1e6:.0f} MB turn and {len(deltas)} continued turns of about "
+            f"{sum(map(len, deltas)) // len(deltas)} B (median of {rounds}) | event loop held while the 16 MB turn "
+            "is sent | its bytes on the wire | the small turns' bytes on the wire | of their size |",
+            "|---|---|---|---|---|", *rows,
+            "", "Held: the longest gap of a 1 ms ticker on the sending loop (mitmproxy's, in the bridge), less its "
+            "tick: every flow of the proxy waits that long. A small turn repeats the client's `instructions` "
+            "and `tools`: deflate's context, kept across messages, sends them as back-references."]
 
 
 class DeflateUpstream:
@@ -1363,7 +1573,8 @@ def bench_websocket(quick: bool) -> list[str]:
     """The WebSocket bridge: upstream bytes, turn time over a slow uplink, first-event time and memory,
     each side by side with HTTP continuation, plain mitmdump or a socket of the client's own."""
     rows = []
-    for part in (websocket_bytes, websocket_uplink, websocket_first_event, websocket_memory):
+    for part in (websocket_bytes, websocket_uplink, websocket_latency, websocket_first_event, websocket_deflate,
+                 websocket_memory):
         rows += part(quick) + [""]
     return rows[:-1]
 
@@ -1376,8 +1587,8 @@ BENCHES = {"bytes": bench_bytes, "uplink": bench_uplink, "tax": bench_tax, "plan
            "memory": bench_memory, "stores": bench_stores, "agents": bench_agents, "record": bench_record,
            "seal": bench_seal, "conversation": bench_conversation, "websocket": bench_websocket,
            "storage": bench_storage,
-           **{part.__name__: part for part in (websocket_bytes, websocket_uplink, websocket_first_event,
-                                               websocket_memory)}}
+           **{part.__name__: part for part in (websocket_bytes, websocket_uplink, websocket_latency,
+                                               websocket_first_event, websocket_deflate, websocket_memory)}}
 
 
 def main() -> None:

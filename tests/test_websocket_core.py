@@ -23,7 +23,7 @@ from stateful_responses.items import item_digest
 from stateful_responses.request_reader import Reader, Reading, Request
 from stateful_responses.answer_reader import SSEParser
 from stateful_responses.websocket.addon import target_of
-from stateful_responses.websocket.connect import Refused
+from stateful_responses.websocket.connect import COMPRESS_UP_TO, FRAGMENT, Refused, Target, TLSOptions, open_socket
 from stateful_responses.websocket.loopback import Answer
 from stateful_responses.websocket.messages import (
     Tip,
@@ -35,7 +35,7 @@ from stateful_responses.websocket.messages import (
     sse_event,
     tip_after,
 )
-from stateful_responses.websocket.pool import ROTATE_AFTER, Pool
+from stateful_responses.websocket.pool import LIVE_GAPS, LIVE_S, ROTATE_AFTER, Choice, Declined, Pool
 from stateful_responses.websocket.relay import Turn, relay
 from websockets.exceptions import ConnectionClosedError
 
@@ -216,7 +216,7 @@ def opened(p: Pool, scope: str = "s", tip: Tip | None = None):
     return choice.held
 
 
-def test_a_turn_takes_the_socket_whose_memory_it_extends_else_a_new_one_else_the_least_recently_used():
+def test_a_turn_takes_the_socket_whose_memory_it_extends_else_a_new_one_else_http():
     p, clock = pool(max_per_scope=2)
     tip = tip_of()
     remembering = opened(p, tip=tip)
@@ -229,7 +229,7 @@ def test_a_turn_takes_the_socket_whose_memory_it_extends_else_a_new_one_else_the
     # two turns of one branch at once: the second cannot continue on the busy socket, takes the other one
     second = p.choose("s", ROOT, nxt, {})
     assert (second.held, second.continued, second.fresh) == (other, None, False)
-    assert p.choose("s", ROOT, nxt, {}) is None  # all busy at the cap: HTTP
+    assert p.choose("s", ROOT, nxt, {}) == Declined("busy")  # all busy at the cap: HTTP
     new_scope = p.choose("t", ROOT, nxt, {})
     assert new_scope.fresh and len(p) == 3
 
@@ -239,6 +239,64 @@ def test_a_full_turn_prefers_a_new_socket_to_taking_another_branchs_memory():
     remembering = opened(p, tip=tip_of())
     choice = p.choose("s", ROOT, digests([{"role": "user", "content": "another conversation"}]), {})
     assert choice.fresh and choice.held is not remembering and remembering.tip is not None
+
+
+def conversation(n: int, turns: int) -> tuple[list, Tip]:
+    """Conversation ``n`` after ``turns`` answered turns: its history and the tip of its latest answer."""
+    history: list = []
+    tip = None
+    for t in range(turns):
+        history.append({"role": "user", "content": f"conversation {n} turn {t}"})
+        response = {"id": f"resp_{n}_{t}", "status": "completed",
+                    "output": [{"type": "message", "id": f"msg_{n}_{t}", "status": "completed", "role": "assistant",
+                                "content": [{"type": "output_text", "text": f"answer {n} {t}", "annotations": []}]}]}
+        tip = tip_of(response, history)
+        history = history + response["output"]
+    return history, tip
+
+
+def test_more_conversations_than_sockets_never_take_a_live_conversations_memory():
+    """Six conversations in turn over four sockets: replacing the least recently used memory would make
+    every turn whole (each evicts what the next one needs); the four that hold sockets keep them and
+    stay continued, the other two go over HTTP every turn; a conversation that stays away three times its
+    pace (one of unknown pace: LIVE_S) gives its socket to a new one."""
+    p, clock = pool(max_per_scope=4)
+    held: dict[int, object] = {}
+    for turns in range(1, 5):
+        for n in range(6):
+            history, tip = conversation(n, turns)
+            clock.now += 1
+            choice = p.choose("s", ROOT, digests(history[:-1] + [{"role": "user", "content": "next"}]), {})
+            if n >= 4:
+                assert choice == Declined("live")
+                continue
+            assert isinstance(choice, Choice)
+            if turns == 1:
+                assert choice.fresh and choice.continued is None
+                p.opened(choice.held, Connection())
+                held[n] = choice.held
+            else:
+                assert choice.held is held[n] and choice.continued is not None
+            p.release(choice.held, tip)
+    # each conversation came back every 6 s: a socket unused for three times that holds one that ended
+    newcomer = digests([{"role": "user", "content": "another conversation"}])
+    clock.now += LIVE_GAPS * 6 - 6  # conversation 0 last answered 5 s before the loop's end
+    assert p.choose("s", ROOT, newcomer, {}) == Declined("live")
+    clock.now += 1
+    choice = p.choose("s", ROOT, newcomer, {})
+    assert isinstance(choice, Choice) and choice.held is held[0] and choice.continued is None
+    # its newcomer has shown no pace yet: its memory is live for LIVE_S
+    p.release(choice.held, tip_of())
+    clock.now += LIVE_GAPS * 6
+    assert p.choose("s", ROOT, newcomer, {}).held is held[1]
+    p.release(held[1], None)
+    clock.now += LIVE_S - LIVE_GAPS * 6 - 1
+    assert p.choose("s", ROOT, digests([{"role": "user", "content": "a third"}]), {}).held is held[1]
+    assert p.choose("s", ROOT, digests([{"role": "user", "content": "a fourth"}]), {}).held is held[2]
+    assert p.choose("s", ROOT, digests([{"role": "user", "content": "a fifth"}]), {}).held is held[3]
+    assert p.choose("s", ROOT, digests([{"role": "user", "content": "a sixth"}]), {}) == Declined("live")
+    clock.now += 1
+    assert p.choose("s", ROOT, digests([{"role": "user", "content": "a sixth"}]), {}).held is held[0]
 
 
 def test_idle_sockets_close():
@@ -278,8 +336,55 @@ def test_the_total_bound_holds_across_scopes():
     p, _ = pool(max_per_scope=5, max_total=2)
     opened(p, "a")
     opened(p, "b")
-    assert p.choose("c", ROOT, digests(HISTORY), {}) is None
+    assert p.choose("c", ROOT, digests(HISTORY), {}) == Declined("busy")
     assert len(p.close_all()) == 2 and len(p) == 0
+
+
+# -- the connection ---------------------------------------------------------------------------------
+
+
+async def test_a_large_message_goes_uncompressed_and_small_ones_compressed_on_one_context():
+    """Compressing runs on the event loop: a message over the bound is sent as it is (RSV1 clear), and the
+    compressor's context, used for the small ones before and after it, stays valid on both sides. A message
+    over ``FRAGMENT`` goes in frames of that size, each masked and written in turn."""
+    from websockets.asyncio.server import serve
+    from websockets.extensions.permessage_deflate import ServerPerMessageDeflateFactory
+    from websockets.frames import Opcode
+
+    flags: list[tuple[str, bool]] = []
+
+    class Recording(ServerPerMessageDeflateFactory):
+        def process_request_params(self, params, accepted_extensions):
+            response, extension = super().process_request_params(params, accepted_extensions)
+            decode = extension.decode
+
+            def recorded(frame, **kwargs):
+                if frame.opcode in (Opcode.TEXT, Opcode.CONT):
+                    flags.append((frame.opcode.name, frame.rsv1))
+                return decode(frame, **kwargs)
+
+            extension.decode = recorded
+            return response, extension
+
+    received: list[bytes] = []
+
+    async def handler(ws) -> None:
+        async for message in ws:
+            received.append(message.encode())
+
+    small = json.dumps({"type": "response.create", "input": [{"role": "user", "content": "hi " * 100}]}).encode()
+    large = json.dumps({"type": "response.create", "input": "x" * (COMPRESS_UP_TO + 1)}).encode()
+    huge = json.dumps({"type": "response.create", "input": "y" * 2 * FRAGMENT})[:2 * FRAGMENT + 1].encode()
+    async with serve(handler, "127.0.0.1", 0, extensions=[Recording()], max_size=None) as server:
+        port = server.sockets[0].getsockname()[1]
+        target = Target(f"ws://127.0.0.1:{port}/v1/responses", "127.0.0.1", "127.0.0.1", port, ())
+        upstream = await open_socket(target, TLSOptions())
+        for message in (small, large, huge, small):
+            await upstream.send(message)
+        await upstream.close()
+    assert received == [small, large, huge, small]
+    assert flags == [("TEXT", True), ("TEXT", False), ("TEXT", False), ("CONT", False), ("CONT", False),
+                     ("CONT", False), ("TEXT", True)]
 
 
 # -- the relay --------------------------------------------------------------------------------------

@@ -8,8 +8,10 @@ saw with what the client meant."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
+import socket
 import threading
 import time
 from pathlib import Path
@@ -30,6 +32,7 @@ from driver import (
 from mitmproxy import io as flow_io
 from stateful_responses.view import render
 from stateful_responses.websocket.addon import UNCLAIMED_S
+from stateful_responses.websocket.connect import FRAGMENT
 from stateful_responses.websocket.messages import sse_event
 
 AUTH = {"authorization": "Bearer sk-test-key"}
@@ -39,8 +42,8 @@ SOCKET_FAULTS = ("ws_close", "ws_error", "ws_stall")
 @pytest.fixture
 def bridge(emulator, start_proxy, tmp_path):
     """mitmdump with the bridge on (debug and the record file too) in front of the emulator."""
-    def start(*extra: str, **options):
-        return start_proxy(emulator.url, "--set", "stateful_debug=true",
+    def start(*extra: str, upstream: str | None = None, **options):
+        return start_proxy(upstream or emulator.url, "--set", "stateful_debug=true",
                            "--set", f"stateful_record_file={tmp_path / 'record.jsonl'}", *extra,
                            upstream_websocket="auto", **options)
     return start
@@ -100,6 +103,19 @@ def test_the_openai_sdk_over_twelve_tool_turns_is_continued_on_one_socket_with_s
     audit = [entry["reason"] for entry in lines[-1]["audit"]["protocolMapping"]["preserved"]]
     assert any(reason.startswith("continued over the upstream's WebSocket from resp_") for reason in audit)
     assert "ws: continued from resp_" in proxy.output() and "forced" not in proxy.output()
+
+
+def test_a_turn_larger_than_a_frame_reaches_the_upstream_whole_and_is_continued(emulator, bridge):
+    """A message over a megabyte goes in several frames (the event loop masks and writes one at a time)."""
+    proxy = bridge()
+    conv = Conversation(proxy.url, options={"store": False})
+    conv.history.append({"role": "user", "content": "a long document: " + "lorem ipsum " * 250_000})
+    converse(conv, 2)
+    log = records(emulator)
+    assert conv.sent[0].size > 2 * FRAGMENT
+    assert_context_preserved(conv.sent, log)
+    assert [(r["transport"], r["continued"]) for r in log] == [("websocket", False)] + [("websocket", True)] * (
+        len(log) - 1) and len(log) >= 2
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
@@ -511,6 +527,89 @@ def test_turns_beyond_the_socket_cap_go_over_http_with_the_clients_store(emulato
     assert len(over_http) == len(overflow.sent) and all(r["store"] is False for r in over_http)  # never forced
     assert_context_preserved(overflow.sent, over_http)
     assert "every socket of" in proxy.output()
+
+
+class CountingRelay:
+    """A TCP relay on loopback in front of ``upstream`` that counts the bytes sent to it: what crosses the
+    uplink, request lines, headers, handshakes and frames included."""
+
+    def __init__(self, upstream: str) -> None:
+        self.target = upstream.split("//", 1)[1].rsplit(":", 1)
+        self.sent = 0
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection((self.target[0], int(self.target[1])))
+            threading.Thread(target=self._pipe, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, False), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, counted: bool) -> None:
+        try:
+            while data := source.recv(65536):
+                if counted:
+                    with self._lock:
+                        self.sent += len(data)
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_more_conversations_than_sockets_cost_no_more_upstream_bytes_than_the_bridge_off(
+        emulator, bridge, start_proxy):
+    """Six `store: false` conversations taking turns over four sockets: the four that hold a socket stay
+    continued on it, the other two go over HTTP, where forward mode continues them as it does with the bridge
+    off (replacing the least recently used socket's memory made every turn whole: 0 of 24 continued)."""
+    pad = "x" * 4000  # each user turn 4 kB: a whole resend costs the history, a continuation the turn
+
+    def six_in_turn(url: str, tag: str) -> list[Conversation]:
+        conversations = [Conversation(url, as_dicts=True, options={"store": False}) for _ in range(6)]
+        for t in range(4):
+            for n, conv in enumerate(conversations):
+                conv.turn(f"{tag} conversation {n}: turn {t} {pad}")
+        for conv in conversations:
+            conv.close()
+        return conversations
+
+    sent = {}
+    relays = {"off": CountingRelay(emulator.url), "on": CountingRelay(emulator.url)}
+    try:
+        off = six_in_turn(start_proxy(relays["off"].url).url, "off")
+        without_bridge = records(emulator)
+        on = six_in_turn(bridge("--set", "stateful_upstream_websocket_max_sockets=4", upstream=relays["on"].url).url,
+                         "on")
+        with_bridge = records(emulator)[len(without_bridge):]
+        sent = {name: relay.sent for name, relay in relays.items()}
+    finally:
+        for relay in relays.values():
+            relay.close()
+    for conversations, log in ((off, without_bridge), (on, with_bridge)):
+        for n, conv in enumerate(conversations):
+            own = [r for r in log if f"conversation {n}: turn 0" in json.dumps(r["context"][:1])]
+            assert_context_preserved(conv.sent, own)
+    on_sockets = [r for r in with_bridge if r["transport"] == "websocket"]
+    assert len(on_sockets) == 16 and sum(r["continued"] for r in on_sockets) == 12
+    over_http = [r for r in with_bridge if r["transport"] == "http"]
+    assert len(over_http) == 8 and sum(r["continued"] for r in over_http) == 6  # as forward mode does them
+    assert sum(r["continued"] for r in without_bridge) == 18
+    assert sent["on"] <= sent["off"]
+    # bodies alone: each socket message carries `"type":"response.create",` (25 bytes) that HTTP does not
+    body_bytes = [sum(r["body_bytes"] for r in log) for log in (with_bridge, without_bridge)]
+    assert body_bytes[0] <= body_bytes[1] + 25 * len(on_sockets)
 
 
 def test_tenants_and_models_never_share_a_socket_or_its_memory(emulator, bridge):

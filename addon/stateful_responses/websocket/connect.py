@@ -8,7 +8,11 @@ mitmproxy does) and ``client_certs``.
 The client is ``websockets``' asyncio one: it runs in mitmproxy's event loop,
 keeps the framing, the close handshake and keepalive pings (a dead upstream is
 found within ``PING_S`` twice), and offers permessage-deflate as Codex does (an
-upstream may decline it).
+upstream may decline it). Compressing runs inside ``send()``, on mitmproxy's
+event loop, at about 10–40 MB/s: a 16 MB turn would hold every flow for
+hundreds of milliseconds. So only messages up to ``COMPRESS_UP_TO`` (a delta:
+a few kB, well under a millisecond) are compressed; larger ones go as they are,
+as their HTTP request would.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from dataclasses import dataclass
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.extensions.base import Extension
+from websockets.extensions.permessage_deflate import ClientPerMessageDeflateFactory, PerMessageDeflate
+from websockets.frames import CTRL_OPCODES, OP_CONT, Frame
 from websockets.protocol import State
 
 from ..bounded import Bounded
@@ -29,6 +36,8 @@ from ..logs import SOCKETS
 OPEN_TIMEOUT_S = 10.0  # connect, TLS and the upgrade; then the turn goes over HTTP
 PING_S = 20.0  # a keepalive ping this often; no pong within as long closes the socket
 MAX_MESSAGE = 64 * 1024 * 1024  # the largest event taken from the upstream (a long answer's terminal event)
+FRAGMENT = 1024 * 1024  # a larger message goes in frames of this size (RFC 6455 fragmentation)
+COMPRESS_UP_TO = 16 * 1024  # larger messages go uncompressed: deflate costs ~0.05 ms per kB of the event loop
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,35 @@ class Unreachable(Exception):
     """The socket could not be opened (connection, TLS, a broken handshake, a timeout)."""
 
 
+class LargeUncompressed(PerMessageDeflate):
+    """permessage-deflate that sends a message over ``COMPRESS_UP_TO`` as it
+    is, its first frame's RSV1 clear: RFC 7692 lets the sender choose per
+    message, and a message left uncompressed changes neither side's context."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._as_is = False  # the message being sent goes uncompressed (its continuation frames too)
+
+    def encode(self, frame: Frame) -> Frame:
+        if frame.opcode in CTRL_OPCODES:
+            return frame
+        if frame.opcode is not OP_CONT:
+            self._as_is = len(frame.data) > COMPRESS_UP_TO
+        return frame if self._as_is else super().encode(frame)
+
+
+class LargeUncompressedFactory(ClientPerMessageDeflateFactory):
+    """The offer websockets makes by default (``memLevel`` 5), negotiating ``LargeUncompressed``."""
+
+    def __init__(self) -> None:
+        super().__init__(compress_settings={"memLevel": 5})
+
+    def process_response_params(self, params, accepted_extensions: list[Extension]) -> PerMessageDeflate:
+        agreed = super().process_response_params(params, accepted_extensions)
+        return LargeUncompressed(agreed.remote_no_context_takeover, agreed.local_no_context_takeover,
+                                 agreed.remote_max_window_bits, agreed.local_max_window_bits, agreed.compress_settings)
+
+
 class UpstreamSocket:
     """One open WebSocket to an upstream, as the bridge uses it."""
 
@@ -78,8 +116,14 @@ class UpstreamSocket:
         return self._connection.state is State.OPEN
 
     async def send(self, message: bytes) -> None:
-        """One text message (the bytes are the client's JSON, valid UTF-8)."""
-        await self._connection.send(message, text=True)
+        """One text message (the bytes are the client's JSON, valid UTF-8); a
+        large one in frames of ``FRAGMENT``, each masked and written as the
+        connection takes it, so that the event loop is never held for all of it."""
+        if len(message) <= FRAGMENT:
+            await self._connection.send(message, text=True)
+            return
+        view = memoryview(message)
+        await self._connection.send((view[i:i + FRAGMENT] for i in range(0, len(view), FRAGMENT)), text=True)
 
     async def recv(self) -> bytes:
         """The next message, its bytes as they came; ConnectionClosed once the socket is gone."""
@@ -154,6 +198,7 @@ async def open_socket(target: Target, tls: TLSOptions) -> UpstreamSocket:
         context = await ssl_context(tls, target.server_name) if secure else None
         connection = await connect(
             target.url, additional_headers=list(target.headers), user_agent_header=None,
+            extensions=[LargeUncompressedFactory()],  # deflate, but not on the event loop for large messages
             proxy=None,  # mitmproxy's own connections ignore HTTPS_PROXY; so does the bridge
             open_timeout=OPEN_TIMEOUT_S, ping_interval=PING_S, ping_timeout=PING_S, max_size=MAX_MESSAGE,
             ssl=context, host=target.host, port=target.port,

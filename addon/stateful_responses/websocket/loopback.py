@@ -41,21 +41,23 @@ class Answer:
         return self.gone or (self._reader is not None and self._reader.at_eof())
 
     async def event(self, event_type: str | None, text: bytes) -> None:
-        """One upstream event, as the HTTP API streams it."""
-        if not self.started:
-            self._head(200, SSE_HEADERS, "transfer-encoding", "chunked")
+        """One upstream event, as the HTTP API streams it (the head goes with the first)."""
         data = sse_event(event_type, text)
-        await self._send(b"%x\r\n%s\r\n" % (len(data), data))
+        chunk = b"%x\r\n%s\r\n" % (len(data), data)
+        if not self.started:
+            self.started = True
+            chunk = self._head_bytes(200, SSE_HEADERS, "transfer-encoding", "chunked") + chunk
+        await self._send(chunk)
 
     async def end_stream(self) -> None:
         self.complete = True
         await self._send(b"0\r\n\r\n")
 
     async def whole(self, status: int, headers: Sequence[tuple[str, str]], body: bytes) -> None:
-        """An answer in one piece: a JSON response, an error, an HTTP retry's answer."""
-        self._head(status, headers, "content-length", str(len(body)))
-        self.complete = True
-        await self._send(body)
+        """An answer in one piece: a JSON response, an error, an HTTP retry's answer (head and body in one
+        write: one wake-up of mitmproxy's reading side, not two)."""
+        self.started = self.complete = True
+        await self._send(self._head_bytes(status, headers, "content-length", str(len(body))) + body)
 
     async def json(self, status: int, body: bytes) -> None:
         await self.whole(status, JSON_HEADERS, body)
@@ -65,18 +67,14 @@ class Answer:
         self.gone = True
         self._writer.transport.abort()
 
-    def _head(self, status: int, headers: Sequence[tuple[str, str]], length_name: str, length: str) -> None:
-        self.started = True
+    @staticmethod
+    def _head_bytes(status: int, headers: Sequence[tuple[str, str]], length_name: str, length: str) -> bytes:
         try:
             reason = HTTPStatus(status).phrase
         except ValueError:
             reason = "Unknown"
         lines = [f"HTTP/1.1 {status} {reason}", *(f"{k}: {v}" for k, v in headers), f"{length_name}: {length}"]
-        self._write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-
-    def _write(self, data: bytes) -> None:
-        if not self.gone:
-            self._writer.write(data)
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
     async def _send(self, data: bytes) -> None:
         """Write and wait while mitmproxy reads behind (a slow client): memory

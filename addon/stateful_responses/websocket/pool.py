@@ -6,9 +6,18 @@ credential), each runs one turn at a time and remembers its most recent
 completed response (its ``Tip``, under a namespace root that adds the model).
 A turn takes the idle socket whose tip its history strictly extends (the
 deepest), else one that remembers nothing, else a new socket while the scope
-has fewer than ``max_per_scope``, else the least recently used idle one (its
-memory is replaced), else none: it goes over HTTP. So parallel conversations, and two turns of one branch at
-once, each get a socket of their own.
+has fewer than ``max_per_scope``, else the least recently used idle socket
+whose tip is stale (its memory is replaced), else none: it goes over HTTP
+(``Declined``). A live tip is never replaced: with more conversations than
+sockets, replacing the memory the next turn needs makes every turn whole (the
+pool thrashes), while leaving the sockets to the conversations that hold them
+keeps those continued and sends the others over HTTP, where forward mode
+continues them as it would without the bridge. A tip is live while its
+conversation's next turn may still come: for ``live_s`` after its use while
+the conversation has not shown its pace, else ``LIVE_GAPS`` times the longest
+wait between its turns (at least ``MIN_LIVE_S``), so that a conversation that
+ended gives its socket to a new one soon. So parallel conversations, and two
+turns of one branch at once, each get a socket of their own.
 
 Bounded and expiring: at most ``max_per_scope`` sockets per scope and
 ``max_total`` in all; a socket idle for ``idle_s`` is closed, and one is
@@ -26,6 +35,9 @@ from .messages import Tip
 
 ROTATE_AFTER = 55 * 60.0  # the API refuses a socket's turns after 60 minutes; clients rotate at 55
 MAX_SOCKETS = 1024  # across every upstream + credential
+LIVE_S = 60.0  # a tip of unknown pace is live this long: an agent loop's next turn follows within seconds
+LIVE_GAPS = 3.0  # else live for this many times the longest wait between its conversation's turns
+MIN_LIVE_S = 2.0  # and at least this long
 
 
 @dataclass(eq=False)
@@ -39,6 +51,7 @@ class Held:
     tip: Tip | None = None
     busy: bool = True
     retired: bool = False  # no new turn starts on it: closed once its turn is over
+    gap: float = 0.0  # the longest wait between its conversation's turns (0: none seen yet)
 
     @property
     def open(self) -> bool:
@@ -55,10 +68,20 @@ class Choice:
     fresh: bool
 
 
+@dataclass(frozen=True)
+class Declined:
+    """No socket for the turn: every one is ``busy`` (at the caps), or each
+    idle one holds a ``live`` conversation's memory (the turn goes over HTTP
+    as it would without the bridge, and so will its next ones)."""
+
+    reason: str  # "busy" or "live"
+
+
 class Pool:
     def __init__(self, clock: Callable[[], float], max_per_scope: int, idle_s: float,
-                 max_total: int = MAX_SOCKETS, rotate_after: float = ROTATE_AFTER) -> None:
+                 max_total: int = MAX_SOCKETS, rotate_after: float = ROTATE_AFTER, live_s: float = LIVE_S) -> None:
         self.clock = clock
+        self.live_s = live_s
         self.max_per_scope = max_per_scope
         self.idle_s = idle_s
         self.max_total = max_total
@@ -73,7 +96,8 @@ class Pool:
     def sockets(self, scope: str) -> list[Held]:
         return list(self._scopes.get(scope, ()))
 
-    def choose(self, scope: str, root: bytes, digests: list[bytes], references: dict[bytes, str]) -> Choice | None:
+    def choose(self, scope: str, root: bytes, digests: list[bytes],
+               references: dict[bytes, str]) -> Choice | Declined:
         """The socket for a turn of ``scope`` whose history is ``digests``
         (``references``: which of them are item references, and to what id).
         Connections found expired on the way wait in ``take_closing``."""
@@ -84,23 +108,31 @@ class Pool:
         extended = [h for h in idle if h.tip is not None and h.tip.extended_by(root, digests, references)]
         if extended:
             held = max(extended, key=lambda h: h.tip.length if h.tip else 0)
+            held.gap = max(held.gap, now - held.used)
             return Choice(self._take(held, now), held.tip, False)
         blank = [h for h in idle if h.tip is None]
         if blank:
-            return Choice(self._take(blank[-1], now), None, False)
+            return Choice(self._take(blank[-1], now, anew=True), None, False)
         if len(sockets) < self.max_per_scope and self._total < self.max_total:
             held = Held(scope, now, now)
             self._scopes.setdefault(scope, []).append(held)
             self._total += 1
             return Choice(held, None, True)
-        if idle:
-            held = min(idle, key=lambda h: h.used)
-            return Choice(self._take(held, now), None, False)
-        return None
+        stale = [h for h in idle if now - h.used >= self._live_for(h)]
+        if stale:
+            held = min(stale, key=lambda h: h.used)
+            return Choice(self._take(held, now, anew=True), None, False)
+        return Declined("live" if idle else "busy")
+
+    def _live_for(self, held: Held) -> float:
+        return self.live_s if held.gap == 0 else max(MIN_LIVE_S, LIVE_GAPS * held.gap)
 
     @staticmethod
-    def _take(held: Held, now: float) -> Held:
+    def _take(held: Held, now: float, anew: bool = False) -> Held:
+        """``held`` is busy from ``now``; ``anew``: with another conversation than the one it remembers."""
         held.busy, held.used = True, now
+        if anew:
+            held.gap = 0.0
         return held
 
     def opened(self, held: Held, connection: Any) -> None:
