@@ -90,3 +90,20 @@ def test_loading_again_wraps_the_factory_once(handled):
     logs.quiet_libraries()
     logs.quiet_libraries()
     assert getattr(logging.getLogRecordFactory(), logs._WRAPPED) is made
+
+
+
+def test_a_bad_options_message_the_addon_wrote_is_kept_whole(handled):
+    """The Options addon's own refusal, raised in its configure, reaches the log naming the option."""
+    from mitmproxy import exceptions
+    from mitmproxy.test import taddons
+    from stateful_responses.options import Options
+    from stateful_responses.settings import Config
+
+    options = Options(Config())
+    with taddons.context(options) as tctx:
+        try:
+            tctx.configure(options, stateful_emulate="sometimes")
+        except exceptions.OptionsError:
+            logging.getLogger("mitmproxy.addonmanager").exception("error in script")
+    assert "stateful_emulate: expected one of off, auto, always, got 'sometimes'" in text(handled[-1])

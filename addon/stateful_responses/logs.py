@@ -20,7 +20,7 @@ factory): a record of those libraries keeps its message's template and its
 exception's type, never the values put into it; a record carrying an exception
 raised through the addon's code keeps the traceback's frames and the
 exception's type, never its message (a decode error or a KeyError can quote a
-request). The addon's own lines name upstreams by scheme and host and
+request), unless the addon wrote the message itself (a bad option's). The addon's own lines name upstreams by scheme and host and
 credentials by keyed digest (``tenancy``)."""
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ LIBRARIES = ("websockets", "redis", "push_response", SOCKETS)
 LEVEL = logging.WARNING
 WITHHELD = "withheld: it may quote a request or a credential"
 _PREFIXES = tuple(name + "." for name in LIBRARIES)
+# Exceptions whose message the addon writes itself, naming what is wrong and never a value that may be secret:
+# a bad option (the ``stateful_*`` parsers never repeat a store URL that may hold a password).
+_OWN_WORDS = frozenset({"mitmproxy.exceptions.OptionsError"})
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _WRAPPED = "_stateful_responses_wraps"  # the factory ours wraps, on ours (a reload wraps that one again)
 
@@ -65,6 +68,8 @@ def strip(record: logging.LogRecord) -> None:
     exc_info = record.exc_info
     exception = exc_info[1] if isinstance(exc_info, tuple) else None
     library = record.name in LIBRARIES or record.name.startswith(_PREFIXES)
+    if exception is not None and _name(type(exception)) in _OWN_WORDS:
+        return
     if not library and not (exception is not None and _passes_through_ours(exception)):
         return
     message = str(record.msg)
