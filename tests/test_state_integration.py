@@ -4,6 +4,7 @@ store failure is invisible to clients."""
 
 from __future__ import annotations
 
+import json
 import resource
 import sqlite3
 import subprocess
@@ -139,6 +140,92 @@ def test_replicas_sharing_a_store_continue_every_request_of_a_client_alternating
         assert "unavailable" not in proxy.output() and "internal error" not in proxy.output()
     if store == "redis-cluster":  # the records spread over the masters
         assert sum(1 for keys in request.getfixturevalue("redis_cluster").keys_per_master() if keys) >= 2
+
+
+def _of(records: list[dict], tag: str) -> list[dict]:
+    """The emulator's records of the conversation whose texts carry ``tag``."""
+    return [r for r in records if tag in json.dumps(r.get("context"))]
+
+
+def _in_use(path: Path) -> bool:
+    return all(path.with_name(path.name + suffix).exists() for suffix in ("-wal", "-shm"))
+
+
+def test_proxies_sharing_one_sqlite_file_each_stopped_killed_and_restarted_lose_nothing(emulator, start_proxy,
+                                                                                      tmp_path):
+    """Three proxies on one SQLite file (mitmweb and mitmdump on one confdir):
+    a full-history client and a ``previous_response_id`` client (the proxy is
+    its store) each alternate between them, while one stops and another is
+    killed mid-stream, and each comes back. A proxy that stops while others
+    use the file leaves their WAL alone, so what they write next is never lost
+    to the others: every turn is exact and every id goes on through any proxy."""
+    path = tmp_path / "shared.db"
+    options = ("--set", f"stateful_store=sqlite:{path}", "--set", "stateful_emulate=always")
+
+    def start(port: int | None = None):
+        return start_proxy(emulator.url, *options, port=port)
+
+    with ThreadPoolExecutor(3) as pool:  # three processes creating the file at once
+        proxies = list(pool.map(lambda _: start(), range(3)))
+    full = Alternating(proxies)
+    chain = Alternating(proxies, conversation=ChainedConversation, api_key="sk-chain-key")
+    every = [full.clients, chain.clients]
+    clients = [list(c) for c in every]
+    texts = iter(zip(user_turns(40, tag="full "), user_turns(40, tag="chain "), strict=True))
+
+    def turns(through: list[int], n: int) -> None:
+        for kept, used in zip(clients, every, strict=True):
+            used[:] = [kept[i] for i in through]
+        for _ in range(n):
+            one, other = next(texts)
+            full.turns([one])
+            chain.turns([other])
+
+    turns([0, 1, 2], 3)
+    proxies[1].stop()
+    assert _in_use(path)  # the others still use its WAL: it stays
+    turns([0, 2], 2)
+    proxies[1] = start(proxies[1].port)
+    turns([0, 1, 2], 3)
+
+    emulator.model.control({"slow_ms": 200})
+    got_bytes = threading.Event()
+
+    def stream_until_killed() -> None:
+        body = {"model": "gpt-test", "stream": True, "input": "cut short by kill -9"}
+        with httpx.Client(trust_env=False, timeout=30) as c:
+            try:
+                with c.stream("POST", proxies[2].url + "/v1/responses", json=body, headers=AUTH) as r:
+                    for _ in r.iter_raw():
+                        got_bytes.set()
+            except httpx.HTTPError:
+                pass
+
+    reader = threading.Thread(target=stream_until_killed)
+    reader.start()
+    assert got_bytes.wait(10)
+    proxies[2].kill()
+    reader.join(10)
+    emulator.model.control({"slow_ms": 0})
+    assert _in_use(path)
+    turns([0, 1], 2)
+    proxies[2] = start(proxies[2].port)
+    turns([2, 1, 0], 3)
+    proxies[0].stop()
+    assert _in_use(path)
+    turns([1, 2], 2)
+    proxies[0] = start(proxies[0].port)
+    turns([0, 2, 1], 3)
+    full.close()
+    chain.close()
+
+    records = log(emulator)
+    assert_context_preserved(full.conv.sent, _of(records, "full turn"))
+    assert_chain_context_preserved(chain.conv, _of(records, "chain turn"))
+    for proxy in proxies:
+        assert "internal error" not in proxy.output()
+        proxy.stop()
+    assert sqlite3.connect(path).execute("PRAGMA integrity_check").fetchone() == ("ok",)
 
 
 def emulating_replicas(emulator, start_proxy, cluster) -> list:

@@ -20,11 +20,13 @@ is wall-clock time, shared by every process on the machine.
 from __future__ import annotations
 
 import asyncio
+import errno
 import math
 import os
 import sqlite3
 import time
 from collections.abc import Callable, Mapping, Sequence
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 from urllib.parse import quote
@@ -85,6 +87,14 @@ _FAILURES = {
     sqlite3.SQLITE_NOTADB: "the file is not a database",
 }
 _REOPEN = {sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB}
+# Held while a connection opens, and while a new file is created: see SQLiteStorage._connect.
+_CONNECTING = threading.Lock()
+
+
+def _busy(message: str) -> sqlite3.OperationalError:
+    exc = sqlite3.OperationalError(message)
+    exc.sqlite_errorcode, exc.sqlite_errorname = sqlite3.SQLITE_BUSY, "SQLITE_BUSY"
+    return exc
 
 
 class SQLiteStorage:
@@ -228,27 +238,42 @@ class SQLiteStorage:
             self._disconnect(connection)
 
     def _connect(self) -> sqlite3.Connection:
-        """Open the file, creating it owner-only first. Opening retries while
-        another process holds a lock, up to the busy timeout: switching a new
-        file to WAL answers SQLITE_BUSY at once, without waiting, when several
-        processes open it at the same moment."""
-        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
-        deadline = time.monotonic() + self._busy_timeout
-        while True:
+        """Open the file, creating it owner-only first if it is not there.
+        Opening retries while another process holds a lock, up to the busy
+        timeout: switching a new file to WAL answers SQLITE_BUSY at once,
+        without waiting, when several processes open it at the same moment.
+
+        Closing any descriptor of a file drops every POSIX lock the process
+        holds on it, SQLite's included, after which another process may take
+        itself for the file's last user and delete the WAL in use here. So no
+        descriptor is opened by hand on a file that exists: only a new one is
+        created (O_EXCL), and never while a connection of this process opens."""
+        with _CONNECTING:
             try:
-                return self._open_database()
-            except sqlite3.OperationalError as exc:
-                if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY or time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.01)
+                os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+            except FileExistsError:
+                if not os.access(self.path, os.R_OK | os.W_OK):  # SQLite would open it read-only
+                    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), self.path) from None
+            deadline = time.monotonic() + self._busy_timeout
+            while True:
+                try:
+                    return self._open_database()
+                except sqlite3.OperationalError as exc:
+                    if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY or time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.01)
 
     def _open_database(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, timeout=self._busy_timeout, isolation_level=None)
+        # mode=rw: a file deleted since is not created again, with the umask's mode
+        db = sqlite3.connect(f"file:{quote(self.path)}?mode=rw", uri=True, timeout=self._busy_timeout,
+                             isolation_level=None)
         try:
             page_size = db.execute("PRAGMA page_size").fetchone()[0]
             wal_bytes = self._wal_bytes
             if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
-                db.execute("PRAGMA journal_mode = WAL").fetchone()
+                # Another process switching it at once may leave it as it was: wait as for a lock.
+                if db.execute("PRAGMA journal_mode = WAL").fetchone()[0] != "wal":
+                    raise _busy("the file is not in WAL mode yet")
             db.execute("PRAGMA synchronous = NORMAL")
             db.execute(f"PRAGMA journal_size_limit = {wal_bytes}")
             db.execute(f"PRAGMA wal_autocheckpoint = {max(16, wal_bytes // page_size)}")
@@ -297,9 +322,10 @@ class SQLiteStorage:
         time.sleep(CHECKPOINT_EVERY)  # what is written meanwhile goes in the same checkpoint
         self._checkpoint_queued = False
         try:
-            # mode=rw: a file deleted meanwhile is not created again, with the umask's mode
-            self._checkpoint_db = self._checkpoint_db or sqlite3.connect(
-                f"file:{quote(self.path)}?mode=rw", uri=True, timeout=0, isolation_level=None)
+            if self._checkpoint_db is None:
+                with _CONNECTING:  # mode=rw: a file deleted meanwhile is not created again, with the umask's mode
+                    self._checkpoint_db = sqlite3.connect(
+                        f"file:{quote(self.path)}?mode=rw", uri=True, timeout=0, isolation_level=None)
             self._checkpoint_db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
         except sqlite3.Error:
             self._close_checkpoint_db()
