@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import openai
 import pytest
 from driver import (
     ChainedConversation,
@@ -22,6 +23,7 @@ from driver import (
     assert_context_preserved,
     drop_nulls,
     httpx,
+    meaning,
     user_turns,
 )
 from redis.crc import key_slot
@@ -226,6 +228,50 @@ def test_proxies_sharing_one_sqlite_file_each_stopped_killed_and_restarted_lose_
         assert "internal error" not in proxy.output()
         proxy.stop()
     assert sqlite3.connect(path).execute("PRAGMA integrity_check").fetchone() == ("ok",)
+
+
+def test_one_credential_filling_the_sqlite_file_never_evicts_another_credentials_conversations(emulator, start_proxy,
+                                                                                                tmp_path):
+    """At the smallest byte cap (1 MiB), a credential's plain turns fill the
+    file over and over; another credential's conversation (Conversations API)
+    and ``previous_response_id`` chain, made before and left alone meanwhile,
+    go on after a restart, the proxy reading them from the file."""
+    path = tmp_path / "capped.db"
+    options = ("--set", f"stateful_store=sqlite:{path}", "--set", "stateful_store_max_mb=1",
+               "--set", "stateful_emulate=always")
+    proxy = start_proxy(emulator.url, *options)
+    kept = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-kept-key", max_retries=0,
+                         http_client=httpx.Client(trust_env=False, timeout=30))
+    conversation = kept.conversations.create(items=[{"role": "user", "content": "kept conversation: opening"}])
+    kept.responses.create(model="gpt-test", conversation=conversation.id,
+                          input=[{"role": "user", "content": "kept conversation: first question"}])
+    items = [item.model_dump(exclude_unset=True)
+             for item in kept.conversations.items.list(conversation.id, order="asc", limit=100)]
+    chain = ChainedConversation(proxy.url, api_key="sk-kept-key", as_dicts=True)
+    for text in user_turns(3, tag="kept chain "):
+        chain.turn(text)
+    flooded = 0
+    with httpx.Client(trust_env=False, timeout=30) as client:
+        for n in range(50):  # 1.9 MB of plain turns through a 1 MiB file
+            text = f"flood {n}: " + "plain turn padding " * 2000
+            answer = client.post(proxy.url + "/v1/responses", headers={"authorization": "Bearer sk-flood-key"},
+                                 json={"model": "gpt-test", "input": [{"role": "user", "content": text}]})
+            assert answer.status_code == 200, answer.text
+            flooded += len(text)
+    assert "internal error" not in proxy.stop()
+    assert flooded > 1.5 * 1024 * 1024 and path.stat().st_size <= 1.1 * 1024 * 1024
+
+    proxy = start_proxy(emulator.url, *options, port=proxy.port)
+    assert [item.model_dump(exclude_unset=True)
+            for item in kept.conversations.items.list(conversation.id, order="asc", limit=100)] == items
+    question = [{"role": "user", "content": "kept conversation: after the flood"}]
+    kept.responses.create(model="gpt-test", conversation=conversation.id, input=question)
+    assert meaning(log(emulator)[-1]["context"]) == meaning(items + question)
+    chain.turn("kept chain: after the flood")
+    chain.close()
+    kept.close()
+    assert_chain_context_preserved(chain, _of(log(emulator), "kept chain"))
+    assert "internal error" not in proxy.output()
 
 
 def emulating_replicas(emulator, start_proxy, cluster) -> list:

@@ -602,6 +602,30 @@ async def test_the_file_stops_growing_at_its_byte_cap(make_sqlite, sqlite_path):
     assert largest_wal <= cap  # journal_size_limit and checkpoints keep the WAL small too
 
 
+async def test_past_its_byte_cap_the_file_loses_the_largest_owners_records_not_a_smaller_ones(make_sqlite,
+                                                                                                sqlite_path):
+    """One tenant's records (one shard tag, several tables) written first,
+    then another's flood and a spread table's: the flood and the spread table
+    lose their soonest-expiring records; the small tenant loses nothing, though
+    its records are the oldest in the file."""
+    storage = make_sqlite(max_bytes=512 * 1024, spread={"entries"})
+    kept, flooder = shard_tag(b"kept"), shard_tag(b"flooder")
+    conversation = {kept + n.to_bytes(4, "big"): os.urandom(500) for n in range(20)}
+    await storage.put("conversations", conversation, ttl=600)
+    await storage.put("turns", {kept + b"turn": os.urandom(2000)}, ttl=600)
+    for n in range(1500):  # 1.5 MB of one tenant's records and 0.75 MB of a spread table's through 512 KiB
+        await storage.put("turns", {flooder + n.to_bytes(4, "big"): os.urandom(700)}, ttl=600)
+        await storage.put("items", {flooder + n.to_bytes(4, "big"): os.urandom(300)}, ttl=600)
+        await storage.put("entries", {os.urandom(16): os.urandom(500)}, ttl=600)
+    assert await storage.get("conversations", list(conversation)) == conversation
+    assert len(await storage.get("turns", [kept + b"turn"])) == 1
+    flood = await storage.get("turns", [flooder + n.to_bytes(4, "big") for n in range(1500)])
+    assert flooder + (0).to_bytes(4, "big") not in flood and flooder + (1499).to_bytes(4, "big") in flood
+    assert 0 < len(await storage.scan("entries")) < 1500
+    await storage.close()
+    assert sqlite_path.stat().st_size <= 512 * 1024 * 1.1
+
+
 async def test_a_get_finds_each_key_by_the_primary_key_not_by_walking_the_table(make_sqlite, sqlite_path):
     await make_sqlite().put("entries", {bytes([n]): b"v" for n in range(100)}, ttl=60)
     plan = query(sqlite_path, "EXPLAIN QUERY PLAN " + GET.format("?, ?"), "entries", 0, b"a", b"b")

@@ -21,17 +21,26 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import math
+import heapq
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 from urllib.parse import quote
 
-from . import DEFAULT_TABLE_LIMIT, Batch, StorageError, check_table, log_entry, log_length, log_length_record
+from . import (
+    DEFAULT_TABLE_LIMIT,
+    SHARD_TAG_SIZE,
+    Batch,
+    StorageError,
+    check_table,
+    log_entry,
+    log_length,
+    log_length_record,
+)
 
 T = TypeVar("T")
 
@@ -72,6 +81,10 @@ SWEEP_BATCH = 10_000  # expired rows deleted per table per sweep, so one put nev
 CATCH_UP_TRIES = 50  # 10 ms apart: the writer waits out the checkpoint thread this long at most
 CHECKPOINT_EVERY = 0.05  # seconds between background checkpoints, while there were writes
 SIZE_TARGET = 0.9  # over the byte cap, delete down to this fraction of it: not again on the next put
+EVICTION_ROUNDS = 4  # over the cap, passes over the owners at most: freed space may not free whole pages at once
+# What a row holds on disk, about: its key twice (the row and the primary key), its value, the table's name
+# twice, and SQLite's headers and the expiry index's entry.
+ROW_BYTES = "2 * length(key) + length(value) + 2 * length(tbl) + 40"
 
 # What went wrong, by SQLite's primary result code; and which failures leave
 # the connection unusable, so the next call opens a new one.
@@ -100,9 +113,10 @@ def _busy(message: str) -> sqlite3.OperationalError:
 class SQLiteStorage:
     """Records in one SQLite file. Bounds evict the records that expire
     soonest (the oldest written, for a table written with one ttl); past
-    ``max_bytes`` of live pages every table loses its soonest-expiring rows
-    until the file is back under 90% of it, and SQLite reuses the freed pages,
-    so the file stops growing there."""
+    ``max_bytes`` of live pages the owners holding the most bytes (a shard
+    tag's records; each table of ``spread``, whose keys are digests, whole)
+    lose their soonest-expiring rows until the file is back under 90% of it,
+    and SQLite reuses the freed pages, so the file stops growing there."""
 
     def __init__(
         self,
@@ -110,6 +124,7 @@ class SQLiteStorage:
         limits: Mapping[str, int] | None = None,
         *,
         max_bytes: int = 512 * 1024 * 1024,
+        spread: Collection[str] = (),
         busy_timeout: float = 2.0,
         sweep_interval: float = 60.0,
         default_limit: int = DEFAULT_TABLE_LIMIT,
@@ -119,6 +134,7 @@ class SQLiteStorage:
         self._limits = dict(limits or {})
         self._default_limit = default_limit
         self._max_bytes = max_bytes
+        self._spread = frozenset(spread)
         self._busy_timeout = busy_timeout
         self._sweep_interval = sweep_interval
         self._next_sweep = 0.0
@@ -408,19 +424,66 @@ class SQLiteStorage:
             db.execute(DELETE_SOONEST, (table, over))
 
     def _keep_under_max_bytes(self, db: sqlite3.Connection) -> None:
-        """Over the cap, each table loses the same share of its rows, soonest
-        expiring first, until the live pages fit in SIZE_TARGET of the cap."""
+        """Over the cap, what expired goes, then the owners that hold the most
+        bytes lose their soonest-expiring records (``_cuts``), until the live
+        pages fit in SIZE_TARGET of the cap. An owner is a shard tag (one
+        credential's records, whatever their table) or a spread table whole:
+        one credential's traffic evicts its own older records, never the
+        records of a credential that holds less."""
         used = self._used_bytes(db)
-        target = self._max_bytes * SIZE_TARGET
         if used <= self._max_bytes:
             return
-        while used > target and (counts := db.execute("SELECT tbl, n FROM counts WHERE n > 0").fetchall()):
-            share = 1 - target / used
-            deleted = sum(db.execute(DELETE_SOONEST, (name, max(1, math.ceil(n * share)))).rowcount
-                          for name, n in counts)
-            if not deleted:  # counts that disagree with the rows (a file edited by hand): stop
-                break
+        now = time.time()
+        for (name,) in db.execute("SELECT tbl FROM counts WHERE n > 0").fetchall():
+            db.execute("DELETE FROM records WHERE tbl = ? AND expires <= ?", (name, now))
+        target = self._max_bytes * SIZE_TARGET
+        owners = self._owners(db)  # counted once: each round takes off what it deleted
+        for _ in range(EVICTION_ROUNDS):
             used = self._used_bytes(db)
+            if used <= target:
+                return
+            doomed: list[int] = []
+            for owner, cut in _cuts(owners, (used - target) * sum(owners.values()) / used).items():
+                rowids, freed = self._soonest(db, owner, cut)
+                doomed += rowids
+                owners[owner] -= freed
+            for start in range(0, len(doomed), MAX_PARAMETERS):
+                chunk = doomed[start:start + MAX_PARAMETERS]
+                db.execute(f"DELETE FROM records WHERE rowid IN ({','.join('?' * len(chunk))})", chunk)
+            if not doomed:
+                return
+
+    def _owners(self, db: sqlite3.Connection) -> dict[str | bytes, int]:
+        """The bytes each owner holds: a spread table by its name, the others'
+        records by their shard tag. One pass over the rows (their lengths
+        only, never their values' pages)."""
+        spread = ",".join("?" * len(self._spread))
+        owner = f"CASE WHEN tbl IN ({spread}) THEN tbl ELSE substr(key, 1, {SHARD_TAG_SIZE}) END"
+        return dict(db.execute(f"SELECT {owner} AS owner, sum({ROW_BYTES}) FROM records GROUP BY owner",
+                               tuple(self._spread)))
+
+    def _soonest(self, db: sqlite3.Connection, owner: str | bytes, cut: float) -> tuple[list[int], int]:
+        """The rows of ``owner`` that expire soonest and hold ``cut`` bytes,
+        and the bytes they hold."""
+        if isinstance(owner, str):
+            cursors = [db.execute(f"SELECT expires, rowid, {ROW_BYTES} FROM records WHERE tbl = ? ORDER BY expires",
+                                  (owner,))]
+        else:  # the tag's range of keys in each table: found by the primary key
+            upper = _after(owner)
+            bound = "AND key < ?" if upper is not None else ""
+            tables = [name for (name,) in db.execute("SELECT tbl FROM counts WHERE n > 0") if name not in self._spread]
+            cursors = [db.execute(f"SELECT expires, rowid, {ROW_BYTES} FROM records WHERE tbl = ? AND key >= ? "
+                                  f"{bound} AND substr(key, 1, {SHARD_TAG_SIZE}) = ? ORDER BY expires",
+                                  (name, owner, *((upper,) if upper is not None else ()), owner))
+                       for name in tables]
+        doomed: list[int] = []
+        freed = 0
+        for _, rowid, size in heapq.merge(*cursors):
+            if freed >= cut:
+                break
+            doomed.append(rowid)
+            freed += size
+        return doomed, freed
 
     @staticmethod
     def _used_bytes(db: sqlite3.Connection) -> int:
@@ -438,6 +501,25 @@ class SQLiteStorage:
     def _clear(self, db: sqlite3.Connection) -> None:
         with _transaction(db):
             db.execute("DELETE FROM records")
+
+
+def _cuts(owners: Mapping[str | bytes, int], excess: float) -> dict[str | bytes, float]:
+    """How many bytes each owner loses so that ``excess`` go: the largest are
+    cut down to one level, and no owner under that level loses anything."""
+    largest = sorted(owners.items(), key=lambda owner: owner[1], reverse=True)
+    held = 0
+    for k, (_, size) in enumerate(largest, 1):
+        held += size
+        level = max((held - excess) / k, 0)
+        if level >= (largest[k][1] if k < len(largest) else 0):
+            return {owner: size - level for owner, size in largest[:k] if size > level}
+    return {}
+
+
+def _after(prefix: bytes) -> bytes | None:
+    """The least key above every key that starts with ``prefix`` (None: none is)."""
+    prefix = prefix.rstrip(b"\xff")
+    return prefix[:-1] + bytes([prefix[-1] + 1]) if prefix else None
 
 
 class _transaction:
