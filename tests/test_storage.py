@@ -511,6 +511,28 @@ async def test_a_file_locked_by_another_process_fails_within_the_busy_timeout(ma
     assert await storage.get("entries", [b"k"]) == {b"k": b"w"}
 
 
+async def test_a_reader_in_another_process_holds_a_write_up_for_about_the_busy_timeout_at_most(make_sqlite,
+                                                                                                 sqlite_path):
+    """Another process reading an old snapshot keeps the WAL from being
+    truncated; the writer's catch-up checkpoint waits the busy timeout on each
+    try, so it stops trying once that time went by (fifty tries would hold
+    every write of the proxy ten seconds here)."""
+    storage = make_sqlite(max_bytes=256 * 1024, busy_timeout=0.2)
+    await storage.put("entries", {b"k": b"v"}, ttl=60)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", "import sqlite3, sys; db = sqlite3.connect(sys.argv[1], isolation_level=None); "
+         "db.execute('BEGIN'); db.execute('SELECT count(*) FROM records').fetchall(); print('reading', flush=True); "
+         "sys.stdin.readline()", str(sqlite_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline() == "reading\n"
+        for n in range(40):  # 160 KB: the WAL passes twice its bound (64 KiB) and cannot be truncated
+            await asyncio.wait_for(storage.put("entries", {n.to_bytes(2, "big"): os.urandom(4000)}, ttl=60), 2)
+    finally:
+        reader.communicate("done\n", timeout=10)
+    assert len(await storage.get("entries", [n.to_bytes(2, "big") for n in range(40)])) == 40
+
+
 async def test_a_corrupt_file_fails_to_open_and_a_replaced_one_opens(make_sqlite, sqlite_path):
     sqlite_path.write_bytes(os.urandom(64 * 1024))
     storage = make_sqlite()

@@ -411,9 +411,12 @@ class SQLiteStorage:
         except OSError:
             over = False
         # The checkpoints fell behind (a busy machine): catch up here, where writes
-        # wait anyway, waiting out a checkpoint the other thread is running.
+        # wait anyway, waiting out a checkpoint the other thread is running. Each
+        # try may wait the busy timeout for another process's reader or writer:
+        # the tries stop once that much time went by.
+        deadline = time.monotonic() + self._busy_timeout
         for _ in range(CATCH_UP_TRIES if over else 0):
-            if db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0] == 0:
+            if db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0] == 0 or time.monotonic() > deadline:
                 break
             time.sleep(0.01)
         self._checkpoint_soon()
