@@ -404,8 +404,8 @@ class SQLiteStorage:
                 self._next_sweep = now + self._sweep_interval
                 for (name,) in db.execute("SELECT tbl FROM counts WHERE n > 0").fetchall():
                     db.execute(DELETE_EXPIRED, (name, now, SWEEP_BATCH))
-            if puts or appends:
-                self._keep_under_max_bytes(db)
+        if puts or appends:
+            self._keep_under_max_bytes(db)
         try:
             over = os.path.getsize(self.path + "-wal") > 2 * self._wal_bytes
         except OSError:
@@ -432,15 +432,25 @@ class SQLiteStorage:
         pages fit in SIZE_TARGET of the cap. An owner is a shard tag (one
         credential's records, whatever their table) or a spread table whole:
         one credential's traffic evicts its own older records, never the
-        records of a credential that holds less."""
-        used = self._used_bytes(db)
-        if used <= self._max_bytes:
+        records of a credential that holds less.
+
+        After the batch's own transaction: the owners are counted outside
+        any (a read, which other processes' writes need not wait for), and a
+        failure here leaves the batch written (the next write tries again)."""
+        if self._used_bytes(db) <= self._max_bytes:
             return
+        try:
+            owners = self._owners(db)  # counted once: each round takes off what it deleted
+            with _transaction(db):
+                self._evict(db, owners)
+        except sqlite3.Error:
+            pass
+
+    def _evict(self, db: sqlite3.Connection, owners: dict[str | bytes, int]) -> None:
         now = time.time()
         for (name,) in db.execute("SELECT tbl FROM counts WHERE n > 0").fetchall():
             db.execute("DELETE FROM records WHERE tbl = ? AND expires <= ?", (name, now))
         target = self._max_bytes * SIZE_TARGET
-        owners = self._owners(db)  # counted once: each round takes off what it deleted
         for _ in range(EVICTION_ROUNDS):
             used = self._used_bytes(db)
             if used <= target:
