@@ -27,7 +27,7 @@ import sqlite3
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 from urllib.parse import quote
 
@@ -81,6 +81,8 @@ SWEEP_BATCH = 10_000  # expired rows deleted per table per sweep, so one put nev
 CATCH_UP_TRIES = 50  # 10 ms apart: the writer waits out the checkpoint thread this long at most
 CHECKPOINT_EVERY = 0.05  # seconds between background checkpoints, while there were writes
 SIZE_TARGET = 0.9  # over the byte cap, delete down to this fraction of it: not again on the next put
+EVICT_AT_ONCE = 2_000  # rows deleted per transaction past the byte cap: the lock is never held long
+OVERSHOOT = 1.05  # past this much of the byte cap, writes wait for the eviction under way
 EVICTION_ROUNDS = 4  # over the cap, passes over the owners at most: freed space may not free whole pages at once
 # What a row holds on disk, about: its key twice (the row and the primary key), its value, the table's name
 # twice, and SQLite's headers and the expiry index's entry.
@@ -146,6 +148,10 @@ class SQLiteStorage:
         self._checkpoints: ThreadPoolExecutor | None = None
         self._checkpoint_db: sqlite3.Connection | None = None
         self._checkpoint_queued = False
+        # Evictions past the byte cap: a thread and a connection of their own (see _keep_under_max_bytes).
+        self._evictions: ThreadPoolExecutor | None = None
+        self._evict_db: sqlite3.Connection | None = None
+        self._eviction: Future[None] | None = None
         # The WAL holds at most a quarter of the byte cap (up to 8 MiB) between checkpoints.
         self._wal_bytes = min(8 * 1024 * 1024, max_bytes // 4)
 
@@ -314,6 +320,10 @@ class SQLiteStorage:
             db.close()
 
     def _close_in_worker(self) -> None:
+        evictions, self._evictions = self._evictions, None
+        if evictions is not None:  # an eviction under way ends first: it deletes a tenth of the cap at most
+            evictions.submit(self._disconnect, "_evict_db")
+            evictions.shutdown(wait=True)
         checkpoints, self._checkpoints = self._checkpoints, None
         if checkpoints is not None:
             checkpoints.submit(self._close_checkpoint_db)
@@ -434,37 +444,53 @@ class SQLiteStorage:
         one credential's traffic evicts its own older records, never the
         records of a credential that holds less.
 
-        After the batch's own transaction: the owners are counted outside
-        any (a read, which other processes' writes need not wait for), and a
-        failure here leaves the batch written (the next write tries again)."""
-        if self._used_bytes(db) <= self._max_bytes:
+        In a thread and a connection of their own, after the batch's own
+        transaction: writes go on meanwhile (past OVERSHOOT of the cap they
+        wait for it), and a failure there leaves the batch written (the next
+        write past the cap tries again). What to delete
+        is read outside any transaction and deleted EVICT_AT_ONCE rows a
+        transaction, so that no write, of this process or another, waits long."""
+        used = self._used_bytes(db)
+        if used <= self._max_bytes:
             return
-        try:
-            owners = self._owners(db)  # counted once: each round takes off what it deleted
-            with _transaction(db):
-                self._evict(db, owners)
-        except sqlite3.Error:
-            pass
+        if self._eviction is not None and not self._eviction.done():
+            if used > self._max_bytes * OVERSHOOT:  # the writes outran it: they wait for it
+                self._eviction.result()
+            return
+        if self._evictions is None:
+            self._evictions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stateful-sqlite-evict")
+        self._eviction = self._evictions.submit(self._evict_in_thread)
 
-    def _evict(self, db: sqlite3.Connection, owners: dict[str | bytes, int]) -> None:
+    def _evict_in_thread(self) -> None:
+        try:
+            self._evict_db = self._evict_db or self._connect()
+            self._evict(self._evict_db)
+        except (sqlite3.Error, StorageError, OSError):
+            self._disconnect("_evict_db")
+
+    def _evict(self, db: sqlite3.Connection) -> None:
         now = time.time()
         for (name,) in db.execute("SELECT tbl FROM counts WHERE n > 0").fetchall():
-            db.execute("DELETE FROM records WHERE tbl = ? AND expires <= ?", (name, now))
+            with _transaction(db):
+                db.execute(DELETE_EXPIRED, (name, now, SWEEP_BATCH))
         target = self._max_bytes * SIZE_TARGET
+        owners = self._owners(db)  # counted once: each round takes off what it deleted
         for _ in range(EVICTION_ROUNDS):
             used = self._used_bytes(db)
             if used <= target:
                 return
-            doomed: list[int] = []
+            doomed: list[tuple[int, float]] = []
             for owner, cut in _cuts(owners, (used - target) * sum(owners.values()) / used).items():
-                rowids, freed = self._soonest(db, owner, cut)
-                doomed += rowids
+                rows, freed = self._soonest(db, owner, cut)
+                doomed += rows
                 owners[owner] -= freed
-            for start in range(0, len(doomed), MAX_PARAMETERS):
-                chunk = doomed[start:start + MAX_PARAMETERS]
-                db.execute(f"DELETE FROM records WHERE rowid IN ({','.join('?' * len(chunk))})", chunk)
             if not doomed:
                 return
+            doomed.sort()  # in the file's order: each page is written once
+            for start in range(0, len(doomed), EVICT_AT_ONCE):
+                with _transaction(db):  # a row renewed since it was read (its expiry moved) stays
+                    db.executemany("DELETE FROM records WHERE rowid = ? AND expires = ?",
+                                   doomed[start:start + EVICT_AT_ONCE])
 
     def _owners(self, db: sqlite3.Connection) -> dict[str | bytes, int]:
         """The bytes each owner holds: a spread table by its name, the others'
@@ -475,9 +501,9 @@ class SQLiteStorage:
         return dict(db.execute(f"SELECT {owner} AS owner, sum({ROW_BYTES}) FROM records GROUP BY owner",
                                tuple(self._spread)))
 
-    def _soonest(self, db: sqlite3.Connection, owner: str | bytes, cut: float) -> tuple[list[int], int]:
-        """The rows of ``owner`` that expire soonest and hold ``cut`` bytes,
-        and the bytes they hold."""
+    def _soonest(self, db: sqlite3.Connection, owner: str | bytes, cut: float) -> tuple[list[tuple[int, float]], int]:
+        """The rows of ``owner`` that expire soonest and hold ``cut`` bytes (their
+        rowids and expiry times), and the bytes they hold."""
         if isinstance(owner, str):
             cursors = [db.execute(f"SELECT expires, rowid, {ROW_BYTES} FROM records WHERE tbl = ? ORDER BY expires",
                                   (owner,))]
@@ -489,12 +515,12 @@ class SQLiteStorage:
                                   f"{bound} AND substr(key, 1, {SHARD_TAG_SIZE}) = ? ORDER BY expires",
                                   (name, owner, *((upper,) if upper is not None else ()), owner))
                        for name in tables]
-        doomed: list[int] = []
+        doomed: list[tuple[int, float]] = []
         freed = 0
-        for _, rowid, size in heapq.merge(*cursors):
+        for expires, rowid, size in heapq.merge(*cursors):
             if freed >= cut:
                 break
-            doomed.append(rowid)
+            doomed.append((rowid, expires))
             freed += size
         return doomed, freed
 
