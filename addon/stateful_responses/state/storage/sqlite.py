@@ -9,7 +9,8 @@ before SQLite opens it (SQLite gives its -wal and -shm files the same mode)
 and runs in WAL mode, so readers in other processes never wait for a writer.
 A second thread copies the WAL into the file (a checkpoint, which ends in an
 fsync: 8-10 ms here) within 50 ms of writes, so that commits, which answers
-wait on, seldom have to.
+wait on, seldom have to; another evicts records past the byte cap, a few
+thousand a transaction, while writes go on.
 
 Layout: ``records(tbl, key, value, expires)`` holds every table's records,
 ``counts(tbl, n)`` their number per table (kept by triggers, so a bound check
