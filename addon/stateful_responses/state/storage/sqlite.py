@@ -25,9 +25,9 @@ import errno
 import heapq
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 from urllib.parse import quote
@@ -448,9 +448,9 @@ class SQLiteStorage:
         In a thread and a connection of their own, after the batch's own
         transaction: writes go on meanwhile (past OVERSHOOT of the cap they
         wait for it), and a failure there leaves the batch written (the next
-        write past the cap tries again). What to delete
-        is read outside any transaction and deleted EVICT_AT_ONCE rows a
-        transaction, so that no write, of this process or another, waits long."""
+        write past the cap tries again). What to delete is read outside any
+        transaction and deleted EVICT_AT_ONCE rows a transaction, so that no
+        write, of this process or another, waits long for the lock."""
         used = self._used_bytes(db)
         if used <= self._max_bytes:
             return
