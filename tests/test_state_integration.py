@@ -4,6 +4,7 @@ store failure is invisible to clients."""
 
 from __future__ import annotations
 
+import json
 import resource
 import sqlite3
 import subprocess
@@ -13,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import openai
 import pytest
 from driver import (
     ChainedConversation,
@@ -21,6 +23,7 @@ from driver import (
     assert_context_preserved,
     drop_nulls,
     httpx,
+    meaning,
     user_turns,
 )
 from redis.crc import key_slot
@@ -139,6 +142,136 @@ def test_replicas_sharing_a_store_continue_every_request_of_a_client_alternating
         assert "unavailable" not in proxy.output() and "internal error" not in proxy.output()
     if store == "redis-cluster":  # the records spread over the masters
         assert sum(1 for keys in request.getfixturevalue("redis_cluster").keys_per_master() if keys) >= 2
+
+
+def _of(records: list[dict], tag: str) -> list[dict]:
+    """The emulator's records of the conversation whose texts carry ``tag``."""
+    return [r for r in records if tag in json.dumps(r.get("context"))]
+
+
+def _in_use(path: Path) -> bool:
+    return all(path.with_name(path.name + suffix).exists() for suffix in ("-wal", "-shm"))
+
+
+def test_proxies_sharing_one_sqlite_file_each_stopped_killed_and_restarted_lose_nothing(emulator, start_proxy,
+                                                                                      tmp_path):
+    """Three proxies on one SQLite file (mitmweb and mitmdump on one confdir):
+    a full-history client and a ``previous_response_id`` client (the proxy is
+    its store) each alternate between them, while one stops and another is
+    killed mid-stream, and each comes back. A proxy that stops while others
+    use the file leaves their WAL alone, so what they write next is never lost
+    to the others: every turn is exact and every id goes on through any proxy."""
+    path = tmp_path / "shared.db"
+    options = ("--set", f"stateful_store=sqlite:{path}", "--set", "stateful_emulate=always")
+
+    def start(port: int | None = None):
+        return start_proxy(emulator.url, *options, port=port)
+
+    with ThreadPoolExecutor(3) as pool:  # three processes creating the file at once
+        proxies = list(pool.map(lambda _: start(), range(3)))
+    full = Alternating(proxies)
+    chain = Alternating(proxies, conversation=ChainedConversation, api_key="sk-chain-key")
+    every = [full.clients, chain.clients]
+    clients = [list(c) for c in every]
+    texts = iter(zip(user_turns(40, tag="full "), user_turns(40, tag="chain "), strict=True))
+
+    def turns(through: list[int], n: int) -> None:
+        for kept, used in zip(clients, every, strict=True):
+            used[:] = [kept[i] for i in through]
+        for _ in range(n):
+            one, other = next(texts)
+            full.turns([one])
+            chain.turns([other])
+
+    turns([0, 1, 2], 3)
+    proxies[1].stop()
+    assert _in_use(path)  # the others still use its WAL: it stays
+    turns([0, 2], 2)
+    proxies[1] = start(proxies[1].port)
+    turns([0, 1, 2], 3)
+
+    emulator.model.control({"slow_ms": 200})
+    got_bytes = threading.Event()
+
+    def stream_until_killed() -> None:
+        body = {"model": "gpt-test", "stream": True, "input": "cut short by kill -9"}
+        with httpx.Client(trust_env=False, timeout=30) as c:
+            try:
+                with c.stream("POST", proxies[2].url + "/v1/responses", json=body, headers=AUTH) as r:
+                    for _ in r.iter_raw():
+                        got_bytes.set()
+            except httpx.HTTPError:
+                pass
+
+    reader = threading.Thread(target=stream_until_killed)
+    reader.start()
+    assert got_bytes.wait(10)
+    proxies[2].kill()
+    reader.join(10)
+    emulator.model.control({"slow_ms": 0})
+    assert _in_use(path)
+    turns([0, 1], 2)
+    proxies[2] = start(proxies[2].port)
+    turns([2, 1, 0], 3)
+    proxies[0].stop()
+    assert _in_use(path)
+    turns([1, 2], 2)
+    proxies[0] = start(proxies[0].port)
+    turns([0, 2, 1], 3)
+    full.close()
+    chain.close()
+
+    records = log(emulator)
+    assert_context_preserved(full.conv.sent, _of(records, "full turn"))
+    assert_chain_context_preserved(chain.conv, _of(records, "chain turn"))
+    for proxy in proxies:
+        assert "internal error" not in proxy.output()
+        proxy.stop()
+    assert sqlite3.connect(path).execute("PRAGMA integrity_check").fetchone() == ("ok",)
+
+
+def test_one_credential_filling_the_sqlite_file_never_evicts_another_credentials_conversations(emulator, start_proxy,
+                                                                                                tmp_path):
+    """At the smallest byte cap (1 MiB), a credential's plain turns fill the
+    file over and over; another credential's conversation (Conversations API)
+    and ``previous_response_id`` chain, made before and left alone meanwhile,
+    go on after a restart, the proxy reading them from the file."""
+    path = tmp_path / "capped.db"
+    options = ("--set", f"stateful_store=sqlite:{path}", "--set", "stateful_store_max_mb=1",
+               "--set", "stateful_emulate=always")
+    proxy = start_proxy(emulator.url, *options)
+    kept = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-kept-key", max_retries=0,
+                         http_client=httpx.Client(trust_env=False, timeout=30))
+    conversation = kept.conversations.create(items=[{"role": "user", "content": "kept conversation: opening"}])
+    kept.responses.create(model="gpt-test", conversation=conversation.id,
+                          input=[{"role": "user", "content": "kept conversation: first question"}])
+    items = [item.model_dump(exclude_unset=True)
+             for item in kept.conversations.items.list(conversation.id, order="asc", limit=100)]
+    chain = ChainedConversation(proxy.url, api_key="sk-kept-key", as_dicts=True)
+    for text in user_turns(3, tag="kept chain "):
+        chain.turn(text)
+    flooded = 0
+    with httpx.Client(trust_env=False, timeout=30) as client:
+        for n in range(50):  # 1.9 MB of plain turns through a 1 MiB file
+            text = f"flood {n}: " + "plain turn padding " * 2000
+            answer = client.post(proxy.url + "/v1/responses", headers={"authorization": "Bearer sk-flood-key"},
+                                 json={"model": "gpt-test", "input": [{"role": "user", "content": text}]})
+            assert answer.status_code == 200, answer.text
+            flooded += len(text)
+    assert "internal error" not in proxy.stop()
+    assert flooded > 1.5 * 1024 * 1024 and path.stat().st_size <= 1.1 * 1024 * 1024
+
+    proxy = start_proxy(emulator.url, *options, port=proxy.port)
+    assert [item.model_dump(exclude_unset=True)
+            for item in kept.conversations.items.list(conversation.id, order="asc", limit=100)] == items
+    question = [{"role": "user", "content": "kept conversation: after the flood"}]
+    kept.responses.create(model="gpt-test", conversation=conversation.id, input=question)
+    assert meaning(log(emulator)[-1]["context"]) == meaning(items + question)
+    chain.turn("kept chain: after the flood")
+    chain.close()
+    kept.close()
+    assert_chain_context_preserved(chain, _of(log(emulator), "kept chain"))
+    assert "internal error" not in proxy.output()
 
 
 def emulating_replicas(emulator, start_proxy, cluster) -> list:

@@ -511,6 +511,28 @@ async def test_a_file_locked_by_another_process_fails_within_the_busy_timeout(ma
     assert await storage.get("entries", [b"k"]) == {b"k": b"w"}
 
 
+async def test_a_reader_in_another_process_holds_a_write_up_for_about_the_busy_timeout_at_most(make_sqlite,
+                                                                                                 sqlite_path):
+    """Another process reading an old snapshot keeps the WAL from being
+    truncated; the writer's catch-up checkpoint waits the busy timeout on each
+    try, so it stops trying once that time went by (fifty tries would hold
+    every write of the proxy five seconds here)."""
+    storage = make_sqlite(max_bytes=256 * 1024, busy_timeout=0.1)
+    await storage.put("entries", {b"k": b"v"}, ttl=60)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", "import sqlite3, sys; db = sqlite3.connect(sys.argv[1], isolation_level=None); "
+         "db.execute('BEGIN'); db.execute('SELECT count(*) FROM records').fetchall(); print('reading', flush=True); "
+         "sys.stdin.readline()", str(sqlite_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline() == "reading\n"
+        for n in range(10):  # 200 KB: the WAL passes twice its bound (64 KiB) and cannot be truncated
+            await asyncio.wait_for(storage.put("entries", {n.to_bytes(2, "big"): os.urandom(20_000)}, ttl=60), 2)
+    finally:
+        reader.communicate("done\n", timeout=10)
+    assert len(await storage.get("entries", [n.to_bytes(2, "big") for n in range(10)])) == 10
+
+
 async def test_a_corrupt_file_fails_to_open_and_a_replaced_one_opens(make_sqlite, sqlite_path):
     sqlite_path.write_bytes(os.urandom(64 * 1024))
     storage = make_sqlite()
@@ -595,11 +617,51 @@ async def test_the_file_stops_growing_at_its_byte_cap(make_sqlite, sqlite_path):
     for n in range(3000):  # 3 MB of values through a 512 KiB file
         await storage.put("turns", {n.to_bytes(4, "big"): os.urandom(1000)}, ttl=60)
         largest_wal = max(largest_wal, wal.stat().st_size)
+    await storage.close()  # once the evictions under way are done
+    assert sqlite_path.stat().st_size <= cap * 1.1
+    storage = make_sqlite()
     assert await storage.get("turns", [(0).to_bytes(4, "big")]) == {}  # the oldest went first
     assert (2999).to_bytes(4, "big") in await storage.get("turns", [(2999).to_bytes(4, "big")])
-    await storage.close()
-    assert sqlite_path.stat().st_size <= cap * 1.1
     assert largest_wal <= cap  # journal_size_limit and checkpoints keep the WAL small too
+
+
+async def test_past_its_byte_cap_the_file_loses_the_largest_owners_records_not_a_smaller_ones(make_sqlite,
+                                                                                                sqlite_path):
+    """One tenant's records (one shard tag, several tables) written first,
+    then another's flood and a spread table's: the flood and the spread table
+    lose their soonest-expiring records; the small tenant loses nothing, though
+    its records are the oldest in the file."""
+    storage = make_sqlite(max_bytes=512 * 1024, spread={"entries"})
+    kept, flooder = shard_tag(b"kept"), shard_tag(b"flooder")
+    conversation = {kept + n.to_bytes(4, "big"): os.urandom(500) for n in range(20)}
+    await storage.put("conversations", conversation, ttl=600)
+    await storage.put("turns", {kept + b"turn": os.urandom(2000)}, ttl=600)
+    for n in range(300):  # 1.5 MB of one tenant's records and 0.75 MB of a spread table's through 512 KiB
+        await storage.put("turns", {flooder + n.to_bytes(4, "big"): os.urandom(3500)}, ttl=600)
+        await storage.put("items", {flooder + n.to_bytes(4, "big"): os.urandom(1500)}, ttl=600)
+        await storage.put("entries", {os.urandom(16): os.urandom(2500)}, ttl=600)
+    await storage.close()  # once the evictions under way are done
+    assert sqlite_path.stat().st_size <= 512 * 1024 * 1.1
+    storage = make_sqlite()
+    assert await storage.get("conversations", list(conversation)) == conversation
+    assert len(await storage.get("turns", [kept + b"turn"])) == 1
+    flood = await storage.get("turns", [flooder + n.to_bytes(4, "big") for n in range(300)])
+    assert flooder + (0).to_bytes(4, "big") not in flood and flooder + (299).to_bytes(4, "big") in flood
+    assert 0 < len(await storage.scan("entries")) < 300
+
+
+async def test_an_eviction_that_fails_leaves_the_write_before_it_done(make_sqlite, sqlite_path, monkeypatch):
+    """Past the cap, evicting runs after the write's own transaction: a lock
+    it meets is not the write's failure, so an append is never sent twice."""
+    storage = make_sqlite(max_bytes=64 * 1024)
+    await storage.put("entries", {b"big": os.urandom(100_000)}, ttl=60)
+
+    def locked(*_):
+        raise sqlite3.OperationalError("database is locked")
+
+    monkeypatch.setattr(SQLiteStorage, "_evict", locked)
+    await storage.write(Batch(appends=[("entries", LOG, [b"once"], 60, True)], once=b"token"))
+    assert await read_log(storage) == [b"once"]
 
 
 async def test_a_get_finds_each_key_by_the_primary_key_not_by_walking_the_table(make_sqlite, sqlite_path):

@@ -81,6 +81,7 @@ def _mark_key(kind: MarkKind, scope: str) -> bytes:
 
 class Upstreams:
     tables = {MARKS: 10_000}
+    spread = frozenset(tables)  # keyed by kind and scope: the store's bounds weigh the table whole
 
     def __init__(self, config: Config, tenancy: Tenancy) -> None:
         self.config = config

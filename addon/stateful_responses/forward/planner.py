@@ -114,6 +114,7 @@ class Planner:
     _outbox: Outbox = field(default_factory=Outbox, repr=False)
 
     tables = {ENTRIES: 1_000_000, REFS: 1_000_000}
+    spread = frozenset(tables)  # keyed by digests, whoever's: the store's bounds weigh each table whole
 
     def __post_init__(self) -> None:
         self.store = PrefixStore(self.config.settings.max_chains)

@@ -125,7 +125,7 @@ class StateStore:
         storage, self.storage, self.up, self._opened = self.storage, None, False, False
         if storage is not None:
             if unwritten:
-                _drain(storage.name, self.config.settings, self._limits(), unwritten)
+                _drain(storage.name, self.config.settings, self._limits(), self._spread(), unwritten)
             asyncio.get_running_loop().create_task(self._close_quietly(storage))
 
     def _take_unwritten(self) -> list[Unwritten]:
@@ -159,7 +159,7 @@ class StateStore:
                 if not self.up:
                     if self.storage is None:
                         self.storage = open_storage(s.store, confdir, self._limits(),
-                                                    max_bytes=s.store_max_mb * 1024 * 1024)
+                                                    max_bytes=s.store_max_mb * 1024 * 1024, spread=self._spread())
                     await self.storage.open()
                     await self._share_secret(self.storage)
                     self.upstreams.load(await self.storage.scan(MARKS))
@@ -454,6 +454,10 @@ class StateStore:
         return {table: self.config.settings.record_cap(n)
                 for source in self.sources for table, n in source.tables.items()}
 
+    def _spread(self) -> frozenset[str]:
+        """The tables whose keys say nothing of whose a record is (``Remembers``)."""
+        return frozenset(table for source in self.sources for table in getattr(source, "spread", ()))
+
     # -- commands ----------------------------------------------------------------
 
     @command.command("stateful.clear")
@@ -473,7 +477,8 @@ class StateStore:
             self._failed(e)
 
 
-def _drain(name: str, settings: Settings, limits: dict[str, int], unwritten: list[Unwritten]) -> None:
+def _drain(name: str, settings: Settings, limits: dict[str, int], spread: frozenset[str],
+           unwritten: list[Unwritten]) -> None:
     """Apply the last writes at shutdown (or when the store changes). The hook
     that stops us cannot wait on the event loop, so they go through a store
     of their own on a thread of their own, for at most DRAIN_WAIT seconds."""
@@ -482,7 +487,7 @@ def _drain(name: str, settings: Settings, limits: dict[str, int], unwritten: lis
 
     async def write() -> None:
         storage = open_storage(settings.store, os.path.expanduser(ctx.options.confdir), limits,
-                               max_bytes=settings.store_max_mb * 1024 * 1024)
+                               max_bytes=settings.store_max_mb * 1024 * 1024, spread=spread)
         try:
             await storage.open()
             for waiting in unwritten:

@@ -59,7 +59,9 @@ class Outbox:
 
 class Remembers(Protocol):
     """What keeps state for the store: the tables it writes (name: records a
-    store on disk or on a server keeps at most), an outbox, a way to forget."""
+    store on disk or on a server keeps at most), an outbox, a way to forget.
+    One whose keys are digests rather than led by the shard tag of whose they
+    are also names those tables in ``spread`` (``state.storage.open_storage``)."""
 
     tables: Mapping[str, int]
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 from urllib.parse import urlsplit
@@ -218,9 +218,12 @@ def _check_redis_url(url: str, scheme: str) -> None:
         raise ValueError(f"the {scheme}:// URL takes no query or fragment")
 
 
-def open_storage(spec: str, confdir: str, limits: Mapping[str, int], *, max_bytes: int = 512 * 1024 * 1024) -> Storage:
+def open_storage(spec: str, confdir: str, limits: Mapping[str, int], *, max_bytes: int = 512 * 1024 * 1024,
+                 spread: Collection[str] = ()) -> Storage:
     """The backend the option value names, built but not yet connected
-    (``await storage.open()``). Raises ValueError for a bad value."""
+    (``await storage.open()``). Raises ValueError for a bad value. ``spread``:
+    the tables whose keys are digests, each its own shard tag, where a tag
+    says nothing of whose a record is."""
     parsed = parse_store_spec(spec)
     # Imported here: the backends import this module, and only a Redis store needs redis-py.
     if parsed.kind == "memory":
@@ -231,7 +234,7 @@ def open_storage(spec: str, confdir: str, limits: Mapping[str, int], *, max_byte
         from .sqlite import SQLiteStorage
 
         path = parsed.path or os.path.join(os.path.expanduser(confdir), DEFAULT_SQLITE_FILE)
-        return SQLiteStorage(path, limits, max_bytes=max_bytes)
+        return SQLiteStorage(path, limits, max_bytes=max_bytes, spread=spread)
     from .redis import RedisStorage
 
     assert parsed.url is not None

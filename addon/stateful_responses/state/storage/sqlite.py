@@ -9,7 +9,8 @@ before SQLite opens it (SQLite gives its -wal and -shm files the same mode)
 and runs in WAL mode, so readers in other processes never wait for a writer.
 A second thread copies the WAL into the file (a checkpoint, which ends in an
 fsync: 8-10 ms here) within 50 ms of writes, so that commits, which answers
-wait on, seldom have to.
+wait on, seldom have to; another evicts records past the byte cap, a few
+thousand a transaction, while writes go on.
 
 Layout: ``records(tbl, key, value, expires)`` holds every table's records,
 ``counts(tbl, n)`` their number per table (kept by triggers, so a bound check
@@ -20,16 +21,27 @@ is wall-clock time, shared by every process on the machine.
 from __future__ import annotations
 
 import asyncio
-import math
+import errno
+import heapq
 import os
 import sqlite3
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 from urllib.parse import quote
 
-from . import DEFAULT_TABLE_LIMIT, Batch, StorageError, check_table, log_entry, log_length, log_length_record
+from . import (
+    DEFAULT_TABLE_LIMIT,
+    SHARD_TAG_SIZE,
+    Batch,
+    StorageError,
+    check_table,
+    log_entry,
+    log_length,
+    log_length_record,
+)
 
 T = TypeVar("T")
 
@@ -70,6 +82,12 @@ SWEEP_BATCH = 10_000  # expired rows deleted per table per sweep, so one put nev
 CATCH_UP_TRIES = 50  # 10 ms apart: the writer waits out the checkpoint thread this long at most
 CHECKPOINT_EVERY = 0.05  # seconds between background checkpoints, while there were writes
 SIZE_TARGET = 0.9  # over the byte cap, delete down to this fraction of it: not again on the next put
+EVICT_AT_ONCE = 2_000  # rows deleted per transaction past the byte cap: the lock is never held long
+OVERSHOOT = 1.05  # past this much of the byte cap, writes wait for the eviction under way
+EVICTION_ROUNDS = 4  # over the cap, passes over the owners at most: freed space may not free whole pages at once
+# What a row holds on disk, about: its key twice (the row and the primary key), its value, the table's name
+# twice, and SQLite's headers and the expiry index's entry.
+ROW_BYTES = "2 * length(key) + length(value) + 2 * length(tbl) + 40"
 
 # What went wrong, by SQLite's primary result code; and which failures leave
 # the connection unusable, so the next call opens a new one.
@@ -85,14 +103,23 @@ _FAILURES = {
     sqlite3.SQLITE_NOTADB: "the file is not a database",
 }
 _REOPEN = {sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB}
+# Held while a connection opens, and while a new file is created: see SQLiteStorage._connect.
+_CONNECTING = threading.Lock()
+
+
+def _busy(message: str) -> sqlite3.OperationalError:
+    exc = sqlite3.OperationalError(message)
+    exc.sqlite_errorcode, exc.sqlite_errorname = sqlite3.SQLITE_BUSY, "SQLITE_BUSY"
+    return exc
 
 
 class SQLiteStorage:
     """Records in one SQLite file. Bounds evict the records that expire
     soonest (the oldest written, for a table written with one ttl); past
-    ``max_bytes`` of live pages every table loses its soonest-expiring rows
-    until the file is back under 90% of it, and SQLite reuses the freed pages,
-    so the file stops growing there."""
+    ``max_bytes`` of live pages the owners holding the most bytes (a shard
+    tag's records; each table of ``spread``, whose keys are digests, whole)
+    lose their soonest-expiring rows until the file is back under 90% of it,
+    and SQLite reuses the freed pages, so the file stops growing there."""
 
     def __init__(
         self,
@@ -100,6 +127,7 @@ class SQLiteStorage:
         limits: Mapping[str, int] | None = None,
         *,
         max_bytes: int = 512 * 1024 * 1024,
+        spread: Collection[str] = (),
         busy_timeout: float = 2.0,
         sweep_interval: float = 60.0,
         default_limit: int = DEFAULT_TABLE_LIMIT,
@@ -109,6 +137,7 @@ class SQLiteStorage:
         self._limits = dict(limits or {})
         self._default_limit = default_limit
         self._max_bytes = max_bytes
+        self._spread = frozenset(spread)
         self._busy_timeout = busy_timeout
         self._sweep_interval = sweep_interval
         self._next_sweep = 0.0
@@ -120,6 +149,10 @@ class SQLiteStorage:
         self._checkpoints: ThreadPoolExecutor | None = None
         self._checkpoint_db: sqlite3.Connection | None = None
         self._checkpoint_queued = False
+        # Evictions past the byte cap: a thread and a connection of their own (see _keep_under_max_bytes).
+        self._evictions: ThreadPoolExecutor | None = None
+        self._evict_db: sqlite3.Connection | None = None
+        self._eviction: Future[None] | None = None
         # The WAL holds at most a quarter of the byte cap (up to 8 MiB) between checkpoints.
         self._wal_bytes = min(8 * 1024 * 1024, max_bytes // 4)
 
@@ -228,27 +261,42 @@ class SQLiteStorage:
             self._disconnect(connection)
 
     def _connect(self) -> sqlite3.Connection:
-        """Open the file, creating it owner-only first. Opening retries while
-        another process holds a lock, up to the busy timeout: switching a new
-        file to WAL answers SQLITE_BUSY at once, without waiting, when several
-        processes open it at the same moment."""
-        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
-        deadline = time.monotonic() + self._busy_timeout
-        while True:
+        """Open the file, creating it owner-only first if it is not there.
+        Opening retries while another process holds a lock, up to the busy
+        timeout: switching a new file to WAL answers SQLITE_BUSY at once,
+        without waiting, when several processes open it at the same moment.
+
+        Closing any descriptor of a file drops every POSIX lock the process
+        holds on it, SQLite's included, after which another process may take
+        itself for the file's last user and delete the WAL in use here. So no
+        descriptor is opened by hand on a file that exists: only a new one is
+        created (O_EXCL), and never while a connection of this process opens."""
+        with _CONNECTING:
             try:
-                return self._open_database()
-            except sqlite3.OperationalError as exc:
-                if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY or time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.01)
+                os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+            except FileExistsError:
+                if not os.access(self.path, os.R_OK | os.W_OK):  # SQLite would open it read-only
+                    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), self.path) from None
+            deadline = time.monotonic() + self._busy_timeout
+            while True:
+                try:
+                    return self._open_database()
+                except sqlite3.OperationalError as exc:
+                    if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY or time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.01)
 
     def _open_database(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, timeout=self._busy_timeout, isolation_level=None)
+        # mode=rw: a file deleted since is not created again, with the umask's mode
+        db = sqlite3.connect(f"file:{quote(self.path)}?mode=rw", uri=True, timeout=self._busy_timeout,
+                             isolation_level=None)
         try:
             page_size = db.execute("PRAGMA page_size").fetchone()[0]
             wal_bytes = self._wal_bytes
             if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
-                db.execute("PRAGMA journal_mode = WAL").fetchone()
+                # Another process switching it at once may leave it as it was: wait as for a lock.
+                if db.execute("PRAGMA journal_mode = WAL").fetchone()[0] != "wal":
+                    raise _busy("the file is not in WAL mode yet")
             db.execute("PRAGMA synchronous = NORMAL")
             db.execute(f"PRAGMA journal_size_limit = {wal_bytes}")
             db.execute(f"PRAGMA wal_autocheckpoint = {max(16, wal_bytes // page_size)}")
@@ -273,6 +321,10 @@ class SQLiteStorage:
             db.close()
 
     def _close_in_worker(self) -> None:
+        evictions, self._evictions = self._evictions, None
+        if evictions is not None:  # an eviction under way ends first: it deletes a tenth of the cap at most
+            evictions.submit(self._disconnect, "_evict_db")
+            evictions.shutdown(wait=True)
         checkpoints, self._checkpoints = self._checkpoints, None
         if checkpoints is not None:
             checkpoints.submit(self._close_checkpoint_db)
@@ -297,9 +349,10 @@ class SQLiteStorage:
         time.sleep(CHECKPOINT_EVERY)  # what is written meanwhile goes in the same checkpoint
         self._checkpoint_queued = False
         try:
-            # mode=rw: a file deleted meanwhile is not created again, with the umask's mode
-            self._checkpoint_db = self._checkpoint_db or sqlite3.connect(
-                f"file:{quote(self.path)}?mode=rw", uri=True, timeout=0, isolation_level=None)
+            if self._checkpoint_db is None:
+                with _CONNECTING:  # mode=rw: a file deleted meanwhile is not created again, with the umask's mode
+                    self._checkpoint_db = sqlite3.connect(
+                        f"file:{quote(self.path)}?mode=rw", uri=True, timeout=0, isolation_level=None)
             self._checkpoint_db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
         except sqlite3.Error:
             self._close_checkpoint_db()
@@ -362,16 +415,19 @@ class SQLiteStorage:
                 self._next_sweep = now + self._sweep_interval
                 for (name,) in db.execute("SELECT tbl FROM counts WHERE n > 0").fetchall():
                     db.execute(DELETE_EXPIRED, (name, now, SWEEP_BATCH))
-            if puts or appends:
-                self._keep_under_max_bytes(db)
+        if puts or appends:
+            self._keep_under_max_bytes(db)
         try:
             over = os.path.getsize(self.path + "-wal") > 2 * self._wal_bytes
         except OSError:
             over = False
         # The checkpoints fell behind (a busy machine): catch up here, where writes
-        # wait anyway, waiting out a checkpoint the other thread is running.
+        # wait anyway, waiting out a checkpoint the other thread is running. Each
+        # try may wait the busy timeout for another process's reader or writer:
+        # the tries stop once that much time went by.
+        deadline = time.monotonic() + self._busy_timeout
         for _ in range(CATCH_UP_TRIES if over else 0):
-            if db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0] == 0:
+            if db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0] == 0 or time.monotonic() > deadline:
                 break
             time.sleep(0.01)
         self._checkpoint_soon()
@@ -382,19 +438,92 @@ class SQLiteStorage:
             db.execute(DELETE_SOONEST, (table, over))
 
     def _keep_under_max_bytes(self, db: sqlite3.Connection) -> None:
-        """Over the cap, each table loses the same share of its rows, soonest
-        expiring first, until the live pages fit in SIZE_TARGET of the cap."""
+        """Over the cap, what expired goes, then the owners that hold the most
+        bytes lose their soonest-expiring records (``_cuts``), until the live
+        pages fit in SIZE_TARGET of the cap. An owner is a shard tag (one
+        credential's records, whatever their table) or a spread table whole:
+        one credential's traffic evicts its own older records, never the
+        records of a credential that holds less.
+
+        In a thread and a connection of their own, after the batch's own
+        transaction: writes go on meanwhile (past OVERSHOOT of the cap they
+        wait for it), and a failure there leaves the batch written (the next
+        write past the cap tries again). What to delete is read outside any
+        transaction and deleted EVICT_AT_ONCE rows a transaction, so that no
+        write, of this process or another, waits long for the lock."""
         used = self._used_bytes(db)
-        target = self._max_bytes * SIZE_TARGET
         if used <= self._max_bytes:
             return
-        while used > target and (counts := db.execute("SELECT tbl, n FROM counts WHERE n > 0").fetchall()):
-            share = 1 - target / used
-            deleted = sum(db.execute(DELETE_SOONEST, (name, max(1, math.ceil(n * share)))).rowcount
-                          for name, n in counts)
-            if not deleted:  # counts that disagree with the rows (a file edited by hand): stop
-                break
+        if self._eviction is not None and not self._eviction.done():
+            if used > self._max_bytes * OVERSHOOT:  # the writes outran it: they wait for it
+                self._eviction.result()
+            return
+        if self._evictions is None:
+            self._evictions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stateful-sqlite-evict")
+        self._eviction = self._evictions.submit(self._evict_in_thread)
+
+    def _evict_in_thread(self) -> None:
+        try:
+            self._evict_db = self._evict_db or self._connect()
+            self._evict(self._evict_db)
+        except (sqlite3.Error, StorageError, OSError):
+            self._disconnect("_evict_db")
+
+    def _evict(self, db: sqlite3.Connection) -> None:
+        now = time.time()
+        for (name,) in db.execute("SELECT tbl FROM counts WHERE n > 0").fetchall():
+            with _transaction(db):
+                db.execute(DELETE_EXPIRED, (name, now, SWEEP_BATCH))
+        target = self._max_bytes * SIZE_TARGET
+        owners = self._owners(db)  # counted once: each round takes off what it deleted
+        for _ in range(EVICTION_ROUNDS):
             used = self._used_bytes(db)
+            if used <= target:
+                return
+            doomed: list[tuple[int, float]] = []
+            for owner, cut in _cuts(owners, (used - target) * sum(owners.values()) / used).items():
+                rows, freed = self._soonest(db, owner, cut)
+                doomed += rows
+                owners[owner] -= freed
+            if not doomed:
+                return
+            doomed.sort()  # in the file's order: each page is written once
+            for start in range(0, len(doomed), EVICT_AT_ONCE):
+                with _transaction(db):  # a row renewed since it was read (its expiry moved) stays
+                    db.executemany("DELETE FROM records WHERE rowid = ? AND expires = ?",
+                                   doomed[start:start + EVICT_AT_ONCE])
+
+    def _owners(self, db: sqlite3.Connection) -> dict[str | bytes, int]:
+        """The bytes each owner holds: a spread table by its name, the others'
+        records by their shard tag. One pass over the rows (their lengths
+        only, never their values' pages)."""
+        spread = ",".join("?" * len(self._spread))
+        owner = f"CASE WHEN tbl IN ({spread}) THEN tbl ELSE substr(key, 1, {SHARD_TAG_SIZE}) END"
+        return dict(db.execute(f"SELECT {owner} AS owner, sum({ROW_BYTES}) FROM records GROUP BY owner",
+                               tuple(self._spread)))
+
+    def _soonest(self, db: sqlite3.Connection, owner: str | bytes, cut: float) -> tuple[list[tuple[int, float]], int]:
+        """The rows of ``owner`` that expire soonest and hold ``cut`` bytes (their
+        rowids and expiry times), and the bytes they hold."""
+        if isinstance(owner, str):
+            cursors = [db.execute(f"SELECT expires, rowid, {ROW_BYTES} FROM records WHERE tbl = ? ORDER BY expires",
+                                  (owner,))]
+        else:  # the tag's range of keys in each table: found by the primary key
+            upper = _after(owner)
+            bound = "AND key < ?" if upper is not None else ""
+            tables = [name for (name,) in db.execute("SELECT tbl FROM counts WHERE n > 0") if name not in self._spread]
+            cursors = [db.execute(f"SELECT expires, rowid, {ROW_BYTES} FROM records WHERE tbl = ? AND key >= ? "
+                                  f"{bound} AND substr(key, 1, {SHARD_TAG_SIZE}) = ? ORDER BY expires",
+                                  (name, owner, *((upper,) if upper is not None else ()), owner))
+                       for name in tables]
+        doomed: list[tuple[int, float]] = []
+        freed = 0
+        for expires, rowid, size in heapq.merge(*cursors):
+            if freed >= cut:
+                break
+            doomed.append((rowid, expires))
+            freed += size
+        return doomed, freed
 
     @staticmethod
     def _used_bytes(db: sqlite3.Connection) -> int:
@@ -412,6 +541,25 @@ class SQLiteStorage:
     def _clear(self, db: sqlite3.Connection) -> None:
         with _transaction(db):
             db.execute("DELETE FROM records")
+
+
+def _cuts(owners: Mapping[str | bytes, int], excess: float) -> dict[str | bytes, float]:
+    """How many bytes each owner loses so that ``excess`` go: the largest are
+    cut down to one level, and no owner under that level loses anything."""
+    largest = sorted(owners.items(), key=lambda owner: owner[1], reverse=True)
+    held = 0
+    for k, (_, size) in enumerate(largest, 1):
+        held += size
+        level = max((held - excess) / k, 0)
+        if level >= (largest[k][1] if k < len(largest) else 0):
+            return {owner: size - level for owner, size in largest[:k] if size > level}
+    return {}
+
+
+def _after(prefix: bytes) -> bytes | None:
+    """The least key above every key that starts with ``prefix`` (None: none is)."""
+    prefix = prefix.rstrip(b"\xff")
+    return prefix[:-1] + bytes([prefix[-1] + 1]) if prefix else None
 
 
 class _transaction:
