@@ -12,10 +12,10 @@ or one that does not decode, keeps its Content-Encoding: every capability
 leaves it alone and it passes byte for byte.
 
 A body mitmproxy streams (``stream_large_bodies``) is decoded as it arrives,
-on the event loop (the stream callable is synchronous), for forward mode's
-collector, which plans it once whole; its Content-Encoding goes upstream
-before the body, so the body goes as the client encoded it, re-encoded when
-rewritten.
+on the event loop (the stream callable is synchronous: hence a stricter
+ratio), for forward mode's collector, which plans it once whole; its
+Content-Encoding goes upstream before the body, so the body goes as the
+client encoded it, re-encoded when rewritten.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from mitmproxy import http
 from ..counters import Counters
 from ..flows import BRIDGED, PerFlow, client_flow, internal_error
 from ..settings import Config
-from .codec import Decoder, Refused, coding_of, decode, encode
+from .codec import STREAMED_RATIO, Decoder, Refused, coding_of, decode, encode
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class EncodedRequests:
         """A stream callable that decodes the chunks and hands the collector
         the whole decoded body; what it sends is the client's bytes, or the
         collector's body encoded. Past the bound, the client's bytes pass."""
-        decoder: Decoder | None = Decoder(coded.coding)
+        decoder: Decoder | None = Decoder(coded.coding, STREAMED_RATIO)  # on the event loop: a stricter bound
         held: list[bytes] = []
 
         def stream(chunk: bytes) -> bytes | list[bytes]:
@@ -174,8 +174,9 @@ class EncodedRequests:
                 if not isinstance(e, Refused):
                     internal_error(self.codings.counters, "decoding a streamed request body")
                 self.codings.debug("a %s request body passes as sent: %s", coded.coding, e)
-                decoder = None
-                return [b"".join(held)]
+                decoder, passed = None, b"".join(held)
+                held.clear()
+                return [passed]
             decoder = None
             original = b"".join(held)
             held.clear()

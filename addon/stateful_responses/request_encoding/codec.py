@@ -3,10 +3,11 @@ br): decoded within a bound, and encoded again.
 
 A decompression bomb (a small body that inflates past anything the proxy
 plans) must cost little: decoding stops once the output passes
-``MAX_DECODED`` (the planning limit) or ``MAX_RATIO`` times the compressed
-bytes read so far (``MIN_ALLOWANCE`` at least), and each step of a decoder
-yields a bounded amount, so that a decode never holds more than its allowance
-plus one step (zstd and zlib: 1 MiB; brotli, whose library has no output
+``MAX_DECODED`` (the planning limit) or a ratio times the compressed bytes
+read so far (``MAX_RATIO``; ``STREAMED_RATIO`` where the decoding runs on the
+event loop; ``MIN_ALLOWANCE`` at least), and each step of a decoder yields a
+bounded amount, so that a decode never holds more than its allowance plus one
+step (zstd: about 2 MiB, zlib: 1 MiB; brotli, whose library has no output
 limit before 1.2: one 16-byte step, measured at 16 MiB at most).
 """
 
@@ -21,13 +22,15 @@ import zstandard  # a mitmproxy dependency
 CODINGS = ("zstd", "gzip", "deflate", "br")
 MAX_DECODED = 64 * 1024 * 1024
 MAX_RATIO = 1024
+STREAMED_RATIO = 64  # a 64 KiB chunk then costs 4 MiB of decoding at most
 MIN_ALLOWANCE = 1024 * 1024
 STEP = 1024 * 1024  # output per zlib step
 _ZSTD_BLOCK = 128 * 1024  # the most one zstd block yields; a block takes 4 bytes at least
 _ZSTD_MAX_SLICE = 64 * 1024
 _BROTLI_SLICE = 16
-# Encoding levels: fast enough to re-encode a 64 MiB body in about a second.
-_ZSTD_LEVEL, _ZLIB_LEVEL, _BROTLI_QUALITY = 3, 6, 4
+# The fastest levels: a body is re-encoded for one upload (a few % larger than
+# at the default levels, three to seven times faster).
+_ZSTD_LEVEL, _ZLIB_LEVEL, _BROTLI_QUALITY = 1, 1, 1
 
 
 class Refused(Exception):
@@ -45,14 +48,15 @@ class Decoder:
     """One body's decoding, fed as it comes; ``Refused`` once past the bound
     or not well formed."""
 
-    def __init__(self, coding: str) -> None:
+    def __init__(self, coding: str, ratio: int = MAX_RATIO) -> None:
         self._engine: Any = {"zstd": _Zstd, "gzip": _Gzip, "deflate": _Deflate, "br": _Brotli}[coding]()
+        self._ratio = ratio
         self._read = 0
         self._pieces: list[bytes] = []
         self.size = 0
 
     def allowance(self) -> int:
-        return min(MAX_DECODED, max(MIN_ALLOWANCE, MAX_RATIO * self._read))
+        return min(MAX_DECODED, max(MIN_ALLOWANCE, self._ratio * self._read))
 
     def feed(self, data: bytes) -> None:
         self._read += len(data)
@@ -64,10 +68,15 @@ class Decoder:
                     if self.size > self.allowance():
                         raise Refused(f"decodes past {self.allowance()} bytes")
         except (zlib.error, zstandard.ZstdError, brotli.error) as e:
+            self._pieces = []  # what still refers to the error must not hold the output
             raise Refused(type(e).__name__) from None
+        except Refused:
+            self._pieces = []
+            raise
 
     def finish(self) -> bytes:
         if self._read and not self._engine.finished():  # an empty body is empty in every coding
+            self._pieces = []
             raise Refused("truncated")
         body, self._pieces = b"".join(self._pieces), []
         return body
