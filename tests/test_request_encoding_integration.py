@@ -20,12 +20,14 @@ import brotli
 import openai
 import pytest
 import zstandard
+from stateful_responses.emulator import Emulator
 from driver import (
     ChainedConversation,
     Conversation,
     assert_chain_context_preserved,
     assert_context_preserved,
     httpx,
+    meaning,
     user_turns,
 )
 
@@ -170,6 +172,47 @@ def test_store_emulation_expands_a_compressed_previous_response_id_request(emula
     assert_chain_context_preserved(conv, records)
     assert all(r["previous_response_id"] is None and r["body_encoding"] == "zstd" for r in records)
     assert "expanded" in proxy.output() and clean(proxy.output())
+
+
+def test_conversation_emulation_reads_compressed_requests(emulator, start_proxy):
+    emulator.model.control({"conversations": "absent"})
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always", "--set", "stateful_debug=true")
+    transport = Compressing("zstd")
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-test-key", max_retries=0,
+                           http_client=httpx.Client(transport=transport, trust_env=False, timeout=30))
+    conversation = client.conversations.create(items=[{"role": "developer", "content": "be brief"}])
+    for text in ["turn 0: hello", "turn 1: and more"]:
+        before = [item.model_dump(exclude_unset=True)
+                  for item in client.conversations.items.list(conversation.id, order="asc")]
+        new = [{"role": "user", "content": text}]
+        assert client.responses.create(model="gpt-test", input=new, conversation=conversation.id).conversation.id \
+            == conversation.id
+        seen = log(emulator)[-1]
+        assert meaning(seen["context"]) == meaning(before + new)  # the conversation expanded into the request
+        assert seen["conversation"] is None and seen["body_encoding"] == "zstd"
+    client.close()
+    assert len(transport.sent) == 3 and clean(proxy.output())
+
+
+def test_the_router_keeps_compressed_chains_where_their_state_lives(start_proxy):
+    upstreams = [Emulator().start() for _ in range(2)]
+    try:
+        proxy = start_proxy(upstreams[0].url, "--set", "stateful_upstreams=" + ",".join(u.url for u in upstreams))
+        clients = [CompressedChainedConversation(proxy.url, api_key=f"sk-chained-{n}") for n in range(3)]
+        for n in range(3):
+            for client in clients:
+                client.turn(f"turn {n}")
+        for client in clients:
+            client.close()
+        served = [[r for r in u.model.snapshot_log() if r["status_code"] == 200] for u in upstreams]
+        assert all(len(s) >= 3 for s in served)  # new chains spread over both
+        assert all(r["body_encoding"] == "zstd" for s in served for r in s)
+        chains = [{r["credential"] for r in s} for s in served]
+        assert not chains[0] & chains[1]  # and every chain stayed where it started
+        assert clean(proxy.output())
+    finally:
+        for upstream in upstreams:
+            upstream.stop()
 
 
 def test_the_bridge_continues_a_compressed_conversation_over_the_upstream_socket(emulator, start_proxy):
