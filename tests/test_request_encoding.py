@@ -111,3 +111,61 @@ def test_brotli_streams_of_a_bomb_are_fed_in_small_steps():
     with pytest.raises(Refused):
         decoder.feed(data)
     assert decoder.size <= MIN_ALLOWANCE + STEP["br"]
+
+
+# -- the glue, in-process --------------------------------------------------------------------------
+
+def compressed_flow(body: dict, coding: str = "zstd"):
+    from test_addon import responses_flow
+
+    data = encode(json.dumps(body).encode(), coding)
+    flow = responses_flow(data)
+    flow.request.headers["content-encoding"] = coding
+    return flow, data
+
+
+async def through(addon, flow) -> None:
+    """The request hooks of decoding, forward mode and encoding, in order."""
+    await addon.decoding.request(flow)
+    await addon.forward.request(flow)
+    await addon.encoding.request(flow)
+
+
+async def test_forward_mode_plans_a_compressed_body_and_its_change_goes_in_the_clients_coding():
+    from test_addon import Glue
+
+    async with Glue() as addon:
+        changed, _ = compressed_flow({"model": "m", "input": "hello"})  # the store is forced: a change
+        await through(addon, changed)
+        assert changed.request.headers["content-encoding"] == "zstd"
+        assert json.loads(decode(changed.request.raw_content, "zstd"))["store"] is True
+        assert changed.request.headers["content-length"] == str(len(changed.request.raw_content))
+        untouched, data = compressed_flow({"model": "m", "input": "hello", "store": True})
+        await through(addon, untouched)
+        assert untouched.request.raw_content == data and untouched.request.headers["content-encoding"] == "zstd"
+        damaged, _ = compressed_flow({"model": "m", "input": "hello"})
+        damaged.request.raw_content = damaged.request.raw_content[:-3]
+        before = damaged.request.raw_content
+        await through(addon, damaged)
+        assert damaged.request.raw_content == before and damaged.request.headers["content-encoding"] == "zstd"
+        assert damaged.metadata["stateful"]["reason"] == "compressed request body"
+
+
+async def test_a_streamed_compressed_body_is_decoded_for_forward_mode_and_goes_in_the_clients_coding():
+    from mitmproxy.addons.proxyserver import Proxyserver
+    from test_addon import Glue
+
+    async with Glue() as addon:
+        addon.tctx.master.addons.add(Proxyserver())  # it owns stream_large_bodies
+        addon.tctx.options.update(stream_large_bodies="1k")
+        flow, data = compressed_flow({"model": "m", "input": os.urandom(4096).hex()})
+        flow.request.headers["content-length"] = str(len(data))
+        addon.decoding.requestheaders(flow)
+        await addon.forward.requestheaders(flow)
+        addon.encoding.requestheaders(flow)
+        assert flow.request.headers["content-encoding"] == "zstd" and callable(flow.request.stream)
+        out = b"".join(b"".join(flow.request.stream(data[i:i + 1000])) for i in range(0, len(data), 1000))
+        out += b"".join(flow.request.stream(b""))
+        assert json.loads(decode(out, "zstd"))["store"] is True  # planned decoded, sent encoded
+        await through(addon, flow)
+        assert flow.request.raw_content == out and flow.request.headers["content-encoding"] == "zstd"

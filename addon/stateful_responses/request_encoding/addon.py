@@ -47,7 +47,7 @@ class _Coded:
     original: bytes | None = None  # the client's bytes
     decoded: bytes | None = None
     sent: bytes | None = None  # streamed: the bytes that went upstream
-    streamed: bool = False
+    streamed: bool = False  # its body streams through our decoder (forward mode collects it)
 
 
 class _Codings:
@@ -113,7 +113,7 @@ class DecodedRequests:
         coded = self.codings.flows.get(flow)
         req = flow.request
         if coded is not None and coded.streamed or req.raw_content is None or flow.response is not None:
-            return  # decoded as it streamed, or streamed past every addon, or answered
+            return  # streamed through our decoder, or past every addon, or answered
         try:
             coding = self.codings.coding(req)
             if coding is None:
@@ -150,6 +150,7 @@ class EncodedRequests:
             req.headers["content-encoding"] = coded.header  # these headers may go upstream before the body
             if callable(req.stream):  # forward mode collects the body: it is decoded on the way in
                 req.stream = self._decoding(flow, coded, req.stream)
+                coded.streamed = True
         except Exception:
             internal_error(self.codings.counters, "streaming a compressed request body")
 
@@ -187,7 +188,7 @@ class EncodedRequests:
             except Exception:
                 internal_error(self.codings.counters, "encoding a streamed request body")
                 return [original]
-            coded.original, coded.decoded, coded.sent, coded.streamed = original, decoded, raw, True
+            coded.original, coded.decoded, coded.sent = original, decoded, raw
             flow.request.headers.pop("content-encoding", None)  # the request hooks read the plain body
             return [raw]
 
@@ -196,16 +197,16 @@ class EncodedRequests:
     async def request(self, flow: http.HTTPFlow) -> None:
         client = client_flow(flow)  # our retry of a client's request is sent as the client's
         coded = self.codings.flows.get(flow) or self.codings.flows.get(client)
-        if coded is None or coded.original is None or BRIDGED in flow.metadata:
+        if coded is None or BRIDGED in flow.metadata:
             return  # not decoded; or answered over an upstream socket, whose messages are plain JSON
         req = flow.request
         try:
             if coded.streamed and flow is client:
-                assert coded.sent is not None
-                req.headers["content-encoding"] = coded.header
-                req.raw_content = coded.sent  # what went upstream, for mitmweb and -w
+                if coded.sent is not None:  # decoded as it streamed: what went upstream, for mitmweb and -w
+                    req.headers["content-encoding"] = coded.header
+                    req.raw_content = coded.sent
                 return
-            if "content-encoding" in req.headers or req.raw_content is None:
+            if coded.original is None or "content-encoding" in req.headers or req.raw_content is None:
                 return
             body = req.raw_content
             if body is coded.decoded or body == coded.decoded or flow.response is not None:
