@@ -10,7 +10,7 @@ import sys
 from harness import ROOT
 
 PACKAGE = ROOT / "addon" / "stateful_responses"
-CAPABILITIES = ("forward", "store_emulation", "record", "router", "state", "websocket")
+CAPABILITIES = ("forward", "store_emulation", "record", "router", "state", "websocket", "request_encoding")
 # Shared modules that are mitmproxy glue by nature; every other shared module is pure.
 SHARED_GLUE = {"flows", "replays", "proofs", "view", "options", "heap", "pipeline", "mitmproxy_script", "cli"}
 

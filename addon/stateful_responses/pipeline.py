@@ -16,6 +16,7 @@ from .request_reader import Reader
 from .record.addon import ContinuationRecord
 from .record.index import ChainIndex
 from .replays import Replays
+from .request_encoding.addon import DecodedRequests
 from .router.addon import Router
 from .settings import Config
 from .state.addon import StateStore
@@ -46,9 +47,11 @@ def make_addons() -> list:
                                                    conversations, proofs, emulation)
     router = Router(config, counters, index, replays, conversation_emulation.full_history)
     forward = ForwardMode(planner, state, replays, proofs)
+    decoding = DecodedRequests(config, counters)
     return [
         Options(config),  # first: parses every option before the others configure
         state,
+        decoding,  # before every capability: a compressed request body is read plain
         record,  # lifts the client's own request, before any change
         router,  # picks the upstream the emulations, the bridge and forward mode plan for
         # before store and conversation emulation: what replaces a checked continuation's answer is what they record
@@ -58,6 +61,7 @@ def make_addons() -> list:
         # before forward mode: a flow it takes is answered over an upstream WebSocket, never rewritten
         WebSocketBridge(config, counters, tenancy, reader, upstreams, state, replays),
         forward,
+        decoding.encoded,  # after every change to a request: it goes upstream encoded as the client's
         router.answers,  # fails over after the ones above learned from the failed answer
         record.answers,  # records what the client got, after every change
         ContentView(),  # the Stateful Responses view of every capability's flows, in mitmweb

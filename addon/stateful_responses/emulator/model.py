@@ -185,12 +185,17 @@ class ResponsesModel:
 
     # -- POST /responses, and response.create on a WebSocket -------------------
 
-    def create(self, credential: str, body: Any, body_bytes: int, raw_sha256: str = "") -> tuple[dict, dict | None]:
+    def create(self, credential: str, body: Any, body_bytes: int, raw_sha256: str = "",
+               encoding: str = "") -> tuple[dict, dict | None]:
         """Validate, resolve context, answer. Returns (response, one-shot fault).
+        ``body_bytes`` counts the decoded body; ``raw_sha256`` and ``encoding``
+        (logged when there is one) tell the bytes that arrived.
 
         Raises APIError with the API's status and body for refused requests.
         """
         record = _record(RESPONSES, "http", credential, body_bytes, raw_sha256)
+        if encoding:
+            record["body_encoding"] = encoding
         return self._logged(record, lambda: self._create(credential, body, record))
 
     def create_on_socket(self, socket: SocketSession, message: Any, message_bytes: int,

@@ -38,6 +38,9 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NamedTuple
+
+import brotli  # a mitmproxy dependency, as the next
+import zstandard
 from urllib.parse import parse_qsl, urlsplit
 
 from . import errors
@@ -108,16 +111,20 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _read_body(self, rate: int = 0) -> bytes:
         """The request body, read ``rate`` bytes a second when given (a slow
-        uplink), gunzipped when the client compressed it."""
+        uplink), decoded when the client compressed it (zstd, gzip, deflate
+        or br, as the API's servers take them; a body that does not decode
+        is read as it is, and refused as one that is not JSON)."""
         if "chunked" in self.headers.get("transfer-encoding", "").lower():
             body = self._read_chunked()
         else:
             length = int(self.headers.get("content-length") or 0)
             body = self._read_paced(length, rate) if rate else self.rfile.read(length) if length else b""
         self.raw_sha256 = hashlib.sha256(body).hexdigest()
-        if self.headers.get("content-encoding", "").lower() == "gzip":
-            body = gzip.decompress(body)
-        return body
+        self.body_encoding = self.headers.get("content-encoding", "").strip().lower()
+        try:
+            return _decoded(body, self.body_encoding)
+        except (OSError, EOFError, ValueError, zlib.error, zstandard.ZstdError, brotli.error):
+            return body
 
     def _read_chunked(self) -> bytes:
         """A chunked request body, as every real HTTP/1.1 server accepts."""
@@ -302,7 +309,8 @@ class _Handler(BaseHTTPRequestHandler):
         credential = self._credential()
         if not (isinstance(parsed, dict) and parsed.get("background")):  # queued at once; it thinks in the background
             self._think()
-        response, fault = self.model.create(credential, parsed, len(body), self.raw_sha256)
+        response, fault = self.model.create(credential, parsed, len(body), self.raw_sha256,
+                                             self.body_encoding)
         fault = fault or {}
         kind = fault.get("kind")
         if kind == "reset":
@@ -389,6 +397,27 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"%x\r\n%s\r\n" % (len(tail), tail))
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
+
+
+def _decoded(body: bytes, encoding: str) -> bytes:
+    if not body or encoding in ("", "identity"):
+        return body
+    if encoding == "gzip":
+        return gzip.decompress(body)
+    if encoding == "deflate":  # zlib-wrapped by the standard, raw from some clients
+        return zlib.decompress(body, zlib.MAX_WBITS if body[0] & 0x0F == 8 else -zlib.MAX_WBITS)
+    if encoding == "br":
+        return brotli.decompress(body)
+    if encoding == "zstd":  # every frame, as zstd's own tools read a body; a truncated one is refused
+        frames, context = [], zstandard.ZstdDecompressor()
+        while body:
+            frame = context.decompressobj()
+            frames.append(frame.decompress(body))
+            if not frame.eof:
+                raise ValueError("truncated zstd frame")
+            body = frame.unused_data
+        return b"".join(frames)
+    raise ValueError(f"content-encoding {encoding!r}")
 
 
 def _parsed(body: bytes) -> Any:
