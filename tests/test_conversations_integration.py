@@ -11,6 +11,7 @@ import itertools
 import json
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
 import pytest
@@ -656,3 +657,53 @@ def test_a_streamed_answer_names_its_conversation_where_the_upstream_would_compr
         assert response.conversation is not None and response.conversation.id == conversation.id
     assert len(listed(client, conversation.id)) == 5
     client.close()
+
+
+class _Helpdesk(BaseHTTPRequestHandler):
+    """A host with a ``/conversations`` API of its own, not the Responses API's."""
+
+    def _answer(self, status: int, payload: dict) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):  # noqa: N802
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        self._answer(201, {"id": 7, "subject": "printer"})
+
+    def do_GET(self):  # noqa: N802
+        found = self.path == "/api/conversations/7"
+        self._answer(200 if found else 404, {"id": 7, "subject": "printer"} if found else {"detail": "Not Found"})
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_in_regular_mode_only_a_responses_api_hosts_conversations_are_answered(emulator, start_proxy, mode):
+    emulator.model.control({"conversations": "absent"})
+    helpdesk = ThreadingHTTPServer(("127.0.0.1", 0), _Helpdesk)
+    threading.Thread(target=helpdesk.serve_forever, daemon=True).start()
+    desk = f"http://127.0.0.1:{helpdesk.server_address[1]}/api/conversations"
+    try:
+        proxy = start_proxy(emulator.url, "--set", f"stateful_emulate={mode}", mode="regular")
+        headers = {"authorization": f"Bearer {KEY}"}
+        with httpx.Client(proxy=proxy.url, trust_env=False, timeout=30, headers=headers) as client:
+            assert client.get(desk + "/unknown").json() == {"detail": "Not Found"}  # its own 404 marks nothing
+            assert client.post(desk, json={"subject": "printer"}).json() == {"id": 7, "subject": "printer"}
+            assert client.get(desk + "/7").json() == {"id": 7, "subject": "printer"}
+            # A host that served /responses is the Responses API's: its conversations are the proxy's to keep.
+            turn = client.post(emulator.url + "/v1/responses", json={"model": "m", "input": "hello"})
+            assert turn.status_code == 200
+            created = client.post(emulator.url + "/v1/conversations", json={})
+            assert created.status_code == 200 and created.json()["id"].startswith("conv_")
+            answer = client.post(emulator.url + "/v1/responses",
+                                 json={"model": "m", "input": "again", "conversation": created.json()["id"]})
+            assert answer.json()["conversation"] == {"id": created.json()["id"]}
+            assert client.post(desk, json={}).json() == {"id": 7, "subject": "printer"}
+    finally:
+        helpdesk.shutdown()
+        helpdesk.server_close()

@@ -40,6 +40,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import msgspec
 from mitmproxy import exceptions, http
+from mitmproxy.proxy import mode_specs
 
 from ..counters import Counters
 from ..flows import (
@@ -58,7 +59,7 @@ from ..flows import (
     request_of,
 )
 from ..proofs import Proofs
-from ..request_reader import Reader, Reading, Skip, splice
+from ..request_reader import Reader, Reading, Skip, splice, upstream_of
 from ..replays import Replays
 from ..settings import Config
 from ..answer_reader import AnswerReader
@@ -691,6 +692,7 @@ class ConversationEmulation:
         self.proofs = proofs
         self.emulation = emulation
         self._flows: PerFlow[_InConversation] = PerFlow()
+        self._responses_to: PerFlow[str] = PerFlow()  # a Responses API request's base URL, until it is answered
 
     @property
     def mode(self) -> str:
@@ -709,15 +711,42 @@ class ConversationEmulation:
             url = urlsplit(flow.request.url)
             routed = route(flow.request.method, url.path)
             if routed is not None and self.config.settings.url_matches(flow.request.url):
-                await self.state.ready()
-                await self._endpoint(flow, *routed)
+                if self._serves_responses(flow, f"{url.scheme}://{url.netloc}{routed[0]}"):
+                    await self.state.ready()
+                    await self._endpoint(flow, *routed)
             elif flow.request.method.upper() == "POST" and url.path.rstrip("/").endswith("/responses"):
+                self._responses_to.put(flow, upstream_of(flow.request.url) or "")
                 await self.state.ready()
                 await self._response(flow)
         except StorageError:
             pass  # the record is out of reach: the request goes as the client sent it
         except Exception:
             internal_error(self.counters, "emulating a conversation")
+
+    def _serves_responses(self, flow: http.HTTPFlow, upstream: str) -> bool:
+        """Whether ``upstream`` is a Responses API host, the only kind whose
+        ``/conversations`` the proxy may answer: a configured one
+        (``stateful_base_urls``, ``stateful_upstreams``, reverse mode's) or
+        one that answered a Responses request through the proxy. In regular
+        or transparent mode any other host's ``/conversations`` (a helpdesk's
+        own API) is its own, never touched."""
+        settings = self.config.settings
+        if settings.base_urls or isinstance(flow.client_conn.proxy_mode, mode_specs.ReverseMode):
+            return True  # the flow's URL matched a configured base URL, or reverse mode's upstream is the only one
+        url = flow.request.url
+        if any(url.startswith(configured.rstrip("/") + "/") for configured in settings.upstreams):
+            return True
+        return self.upstreams.has("serves_responses", self.tenancy.scope(upstream, b"")[0])
+
+    def _note_served(self, flow: http.HTTPFlow) -> None:
+        """A host that answered a Responses request (a response, as JSON or
+        a stream) is a Responses API host."""
+        upstream = self._responses_to.get(client_flow(flow))
+        assert flow.response is not None
+        content_type = flow.response.headers.get("content-type", "").lower()
+        if upstream and flow.response.status_code < 300 and ("json" in content_type or "event-stream" in content_type):
+            if self.upstreams.mark("serves_responses", self.tenancy.scope(upstream, b"")[0]):
+                self.state.flush()
 
     async def _endpoint(self, flow: http.HTTPFlow, base: str, call: Call) -> None:
         url = urlsplit(flow.request.url)
@@ -873,6 +902,11 @@ class ConversationEmulation:
     # -- answers -------------------------------------------------------------------
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None and self._responses_to.get(client_flow(flow)) is not None:
+            try:
+                self._note_served(flow)
+            except Exception:
+                internal_error(self.counters, "noting a Responses API host")
         record = self._flows.get(client_flow(flow))
         if record is None or flow.response is None:
             return
