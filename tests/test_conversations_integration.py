@@ -707,3 +707,30 @@ def test_in_regular_mode_only_a_responses_api_hosts_conversations_are_answered(e
     finally:
         helpdesk.shutdown()
         helpdesk.server_close()
+
+
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_a_deleted_conversations_items_resolve_nowhere(emulator, start_proxy, mode):
+    emulator.model.control({"conversations": "absent", "stateless": "ignore"})  # Ollama: it keeps nothing
+    proxy = start_proxy(emulator.url, "--set", f"stateful_emulate={mode}")
+    client = sdk(proxy)
+    conversation = client.conversations.create(items=[{"role": "user", "content": "the secret plan"}])
+    client.responses.create(model="gpt-test", input="go on", conversation=conversation.id)
+    ids = [item["id"] for item in listed(client, conversation.id)]
+    assert len(ids) == 3
+    other = client.conversations.create()
+    copied = client.conversations.items.create(other.id, items=[{"type": "item_reference", "id": ids[0]}])
+    assert "the secret plan" in json.dumps(copied.model_dump())  # while it lives, a reference resolves
+    client.conversations.delete(conversation.id)
+    third = client.conversations.create()
+    seen = len(log(emulator))
+    for item_id in ids:
+        refused = call(proxy, "POST", f"/v1/conversations/{third.id}/items",
+                       {"items": [{"type": "item_reference", "id": item_id}]})
+        assert refused.status_code == 404 and refused.json()["error"]["message"] == \
+            f"Item with id '{item_id}' not found."
+        turn = call(proxy, "POST", "/v1/responses",
+                    {"model": "gpt-test", "input": [{"type": "item_reference", "id": item_id}]})
+        assert turn.status_code == 404 and item_id in turn.json()["error"]["message"]  # left to the upstream
+    assert "the secret plan" not in json.dumps(log(emulator)[seen:])
+    client.close()

@@ -35,6 +35,7 @@ from ..flows import (
     CLIENT_BODY,
     DECISION,
     HELD,
+    OVERFLOW,
     RETRY_OF,
     PerFlow,
     bridge_runs_for,
@@ -50,7 +51,7 @@ from ..upstreams import Upstreams
 from .connect import Refused, Target, TLSOptions, Unreachable, open_socket
 from .loopback import PATH_PREFIX, Answer, Loopback
 from .messages import Tip, socket_message
-from .pool import Held, Pool
+from .pool import Declined, Held, Pool
 from .relay import HttpAnswer, Outcome, Turn, relay
 
 logger = logging.getLogger(__name__)
@@ -210,8 +211,11 @@ class WebSocketBridge:
         # credential: a socket serves only the name, path and query it was opened to.
         choice = self.pool.choose(f"{scope}\x00{target.url}", root, reading.digests, references)
         self._close(self.pool.take_closing())
-        if choice is None:
-            self._debug("ws: every socket of %s is busy; over HTTP", label)
+        if isinstance(choice, Declined):
+            if choice.reason == "live":
+                flow.metadata[OVERFLOW] = True  # forward mode treats it as it would without the bridge
+            self._debug("ws: every socket of %s is %s; over HTTP", label,
+                        "busy" if choice.reason == "busy" else "holding a live conversation")
             return
         try:
             await self._take(flow, reading, target, root, references, choice.held, choice.continued, choice.fresh)
