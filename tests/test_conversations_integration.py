@@ -734,3 +734,31 @@ def test_a_deleted_conversations_items_resolve_nowhere(emulator, start_proxy, mo
         assert turn.status_code == 404 and item_id in turn.json()["error"]["message"]  # left to the upstream
     assert "the secret plan" not in json.dumps(log(emulator)[seen:])
     client.close()
+
+
+async def test_an_upstream_repeating_item_ids_leaves_every_item_its_own_id(emulator, start_proxy):
+    """An upstream whose numbering restarted answers every response with
+    ``msg_1``: each joins the conversation under an id of its own, so the
+    newest item is the one listed first and deleting it deletes it alone
+    (openai-agents' ``pop_item`` takes back the answer, not the question)."""
+    agents = pytest.importorskip("agents")
+    from agents.memory import OpenAIConversationsSession
+
+    emulator.model.control({"conversations": "absent", "numbered_ids": True})
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=auto")
+    agent, client = weather_agent(agents, proxy)
+    conversation = await client.conversations.create()
+    answers = [(await agents.Runner.run(agent, turn, conversation_id=conversation.id)).final_output
+               for turn in ["one", "two"]]
+    assert [record["output"][0]["id"] for record in log(emulator)] == ["msg_1", "msg_1"]
+    kept = await items_of(client, conversation.id)
+    assert len(kept) == 4 and len({item["id"] for item in kept}) == 4
+    newest = (await client.conversations.items.list(conversation.id, order="desc", limit=1)).data
+    assert [item.content[0].text for item in newest] == [answers[1]]
+    session = OpenAIConversationsSession(conversation_id=conversation.id, openai_client=client)
+    popped = await session.pop_item()
+    assert popped is not None and popped["role"] == "assistant" and popped["content"][0]["text"] == answers[1]
+    assert await items_of(client, conversation.id) == kept[:3]  # the answer alone is gone
+    await client.conversations.items.delete(kept[1]["id"], conversation_id=conversation.id)
+    assert await items_of(client, conversation.id) == [kept[0], kept[2]]
+    await client.close()
