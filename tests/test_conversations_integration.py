@@ -762,3 +762,24 @@ async def test_an_upstream_repeating_item_ids_leaves_every_item_its_own_id(emula
     await client.conversations.items.delete(kept[1]["id"], conversation_id=conversation.id)
     assert await items_of(client, conversation.id) == [kept[0], kept[2]]
     await client.close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_a_conversation_the_proxy_keeps_is_expanded_whatever_the_model(emulator, start_proxy, mode, stream):
+    emulator.model.control({"conversations": "absent"})
+    proxy = start_proxy(emulator.url, "--set", f"stateful_emulate={mode}", "--set", "stateful_models=gpt-test")
+    client = sdk(proxy)
+    conversation = client.conversations.create(items=[{"role": "developer", "content": "be brief"}])
+    for model in ["gpt-test", "another-model"]:
+        before = listed(client, conversation.id)
+        new = [{"role": "user", "content": f"hello from {model}"}]
+        response = respond(client, stream, model=model, input=new, conversation=conversation.id)
+        seen = log(emulator)[-1]
+        assert seen["conversation"] is None and meaning(seen["context"]) == meaning(before + new)
+        assert response.conversation.id == conversation.id
+        assert meaning(listed(client, conversation.id)) == meaning(before + new + seen["output"])
+    # Another model's request in a conversation the proxy does not keep is left alone.
+    theirs = call(proxy, "POST", "/v1/responses", {"model": "another-model", "input": "x", "conversation": "conv_x"})
+    assert theirs.status_code == 400 and "conversation" in theirs.text  # the upstream's own refusal of the field
+    client.close()

@@ -214,9 +214,10 @@ class Reader:
             return Skip("body holds invalid JSON", upstream)
         if not isinstance(model, str):
             return Skip("no string model", upstream)
-        if not s.model_matches(model):
-            return Skip("model not in stateful_models", upstream, model)
         in_conversation = _present(body, "conversation")
+        # A conversation the proxy keeps is expanded whatever the model: only the proxy knows its id.
+        if not s.model_matches(model) and not (in_conversation and conversations):
+            return Skip("model not in stateful_models", upstream, model)
         if in_conversation and not conversations:
             return Skip("client uses a conversation", upstream, model)
         try:

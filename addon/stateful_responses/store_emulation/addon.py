@@ -809,18 +809,23 @@ class ConversationEmulation:
         record = _InConversation(tenant_of(self.tenancy, reading.credential), reading.credential, reading.scope,
                                  reading.label, "")
         proxy_is_the_api = self._proxy_is_the_api(reading.scope)
+        # A model outside stateful_models is left alone unless its conversation is one the proxy keeps.
+        kept_only = not self.config.settings.model_matches(reading.model)
         if reading.previous is not None:
-            self._refuse(flow, mutually_exclusive())  # the API refuses it, whoever keeps the conversation
+            if not kept_only:
+                self._refuse(flow, mutually_exclusive())  # the API refuses it, whoever keeps the conversation
             return
         try:
             record.conversation_id = named(reading.conversation)
         except ApiError as e:
-            if proxy_is_the_api:
+            if proxy_is_the_api and not kept_only:
                 self._refuse(flow, e)
             return
         record.conversation = await self._find(record, learn_secrets=proxy_is_the_api)
         conversation = record.conversation
         if conversation is None:
+            if kept_only:
+                return
             if proxy_is_the_api:
                 self._refuse(flow, not_found(record.conversation_id))
             else:
