@@ -7,8 +7,10 @@ items, as the API lists them, then the request's input."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import json
+import sqlite3
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -537,8 +539,9 @@ def test_while_the_store_is_out_of_reach_a_conversation_request_goes_as_the_clie
     assert log(emulator)[-1]["conversation"] == conversation_id
     listing = call(proxy, "GET", f"/v1/conversations/{conversation_id}/items")
     assert listing.json()["error"]["message"].startswith("Invalid URL")  # the upstream's own answer
-    created = call(proxy, "POST", "/v1/conversations", {})
-    assert created.json()["error"]["message"].startswith("Invalid URL")  # no id the store does not hold
+    created = call(proxy, "POST", "/v1/conversations", {})  # waits for the store, as long as a DELETE would
+    assert created.status_code == 503 and created.json()["error"]["type"] == "server_error"  # "try again"
+    assert "id" not in created.json()  # no id the store does not hold, nor the upstream's 404
     assert "Traceback" not in proxy.output() and "internal error" not in proxy.output()
 
 
@@ -782,4 +785,46 @@ def test_a_conversation_the_proxy_keeps_is_expanded_whatever_the_model(emulator,
     # Another model's request in a conversation the proxy does not keep is left alone.
     theirs = call(proxy, "POST", "/v1/responses", {"model": "another-model", "input": "x", "conversation": "conv_x"})
     assert theirs.status_code == 400 and "conversation" in theirs.text  # the upstream's own refusal of the field
+    client.close()
+
+
+@pytest.mark.parametrize("change", ["create", "add_items", "delete_item"])
+def test_a_change_waits_through_a_short_store_lock_and_lands_once(emulator, start_proxy, tmp_path, change):
+    """The store is locked past its busy timeout (the write fails, and is
+    sent again once the lock is gone): the change is answered once it is
+    written, as the API answers it, never by the upstream that lacks the API;
+    it lands once."""
+    emulator.model.control({"conversations": "absent"})
+    path = tmp_path / "state.db"
+    proxy = start_proxy(emulator.url, "--set", f"stateful_store=sqlite:{path}", "--set", "stateful_emulate=auto")
+    client = sdk(proxy)
+    conversation = client.conversations.create(items=[{"role": "user", "content": "first"}])
+    before = listed(client, conversation.id)
+    requests = {"create": ("POST", "/v1/conversations", {"items": [{"role": "user", "content": "new"}]}),
+                "add_items": ("POST", f"/v1/conversations/{conversation.id}/items",
+                              {"items": [{"role": "user", "content": "added"}]}),
+                "delete_item": ("DELETE", f"/v1/conversations/{conversation.id}/items/{before[0]['id']}", None)}
+    lock = sqlite3.connect(path, timeout=10, isolation_level=None)
+    lock.execute("BEGIN EXCLUSIVE")  # reads go on, writes wait and fail
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(call, proxy, *requests[change])
+            deadline = time.monotonic() + 20
+            while "unavailable" not in proxy.output() and time.monotonic() < deadline and not pending.done():
+                time.sleep(0.05)  # until the proxy has seen its write fail
+            lock.execute("ROLLBACK")
+            answer = pending.result()
+    finally:
+        if lock.in_transaction:
+            lock.execute("ROLLBACK")
+        lock.close()
+    assert "unavailable" in proxy.output()
+    assert answer.status_code == 200, answer.text  # the proxy's answer, not the upstream's 404
+    if change == "create":
+        made = answer.json()["id"]
+        assert made.startswith("conv_") and [i["content"][0]["text"] for i in listed(client, made)] == ["new"]
+    elif change == "add_items":
+        assert [i["content"][0]["text"] for i in listed(client, conversation.id)] == ["first", "added"]
+    else:
+        assert answer.json()["id"] == conversation.id and listed(client, conversation.id) == []
     client.close()

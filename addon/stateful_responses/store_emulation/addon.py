@@ -658,6 +658,11 @@ def _api_answer(status: int, body: bytes) -> http.Response:
     return http.Response.make(status, body, {"Content-Type": "application/json"})
 
 
+def _not_saved() -> dict:
+    return {"error": {"message": "The change could not be saved: the proxy's store is unavailable. Try again.",
+                      "type": "server_error", "param": None, "code": None}}
+
+
 def _api_error(error: ApiError) -> http.Response:
     return _json_response(error.status, error.body)
 
@@ -767,22 +772,25 @@ class ConversationEmulation:
             return
         await self._answer(flow, record, call)
 
-    async def _answer(self, flow: http.HTTPFlow, record: _InConversation, call: Call) -> bool:
-        """Answer ``call`` as the API; False, leaving the flow as it was, when
-        what it changed could not be made durable (the store is down): the
-        client must never hold an id or an answer the store does not."""
+    async def _answer(self, flow: http.HTTPFlow, record: _InConversation, call: Call) -> None:
+        """Answer ``call`` as the API. A change is answered once it is durable,
+        waiting through a short outage of the store (ANSWER_WAIT at most) as a
+        DELETE of a response does, so that it is answered once and lands once;
+        one the store did not take in that time is the proxy's 503 (SDKs retry
+        it): the client must never hold an id or an answer the store does not,
+        nor be sent to an upstream that lacks the API."""
         resolve = lambda ids: self.history.referenced(record.tenant, ids, self.state.get_strict)  # noqa: E731
         status, body = await self.conversations.answer(record.tenant, call, record.conversation, resolve,
                                                        self.state.get_strict)
-        durable = await self.state.written(self.state.flush(), ANSWER_WAIT)
-        if status == 200 and call.endpoint in CHANGES and not durable:
-            self.conversations.clear()  # what memory holds of the change was never stored
-            return False
+        change = status == 200 and call.endpoint in CHANGES
+        durable = await self.state.written(self.state.flush(), ANSWER_WAIT, through_outage=change)
+        if change and not durable:
+            self.conversations.clear()  # what memory holds of the change is not stored yet
+            status, body = 503, json.dumps(_not_saved()).encode()
         flow.response = _api_answer(status, body)
         flow.metadata[CONVERSATION] = {"endpoint": call.endpoint, "status": status}
         flow.comment = f"emulated: conversations {call.endpoint} answered by the proxy ({status})"
         self._debug("answered conversations %s: %d", call.endpoint, status)
-        return True
 
     async def _find(self, record: _InConversation, *, learn_secrets: bool) -> Conversation | None:
         """The conversation the request names, if the proxy keeps it for this
@@ -1037,13 +1045,11 @@ class ConversationEmulation:
                         "for it from now on", record.label, status)
         self.state.flush()
         if call.endpoint == "create":
-            answered = await self._answer(flow, record, call)
+            await self._answer(flow, record, call)
         else:
-            answered = True
             flow.response = _api_error(not_found(call.conversation_id))  # nobody keeps it
-        if answered:
-            flow.metadata[CONVERSATION] = {"taken_over_after": status}
-            flow.comment = f"emulated: the upstream lacks the Conversations API ({status}); answered by the proxy"
+        flow.metadata[CONVERSATION] = {"taken_over_after": status}
+        flow.comment = f"emulated: the upstream lacks the Conversations API ({status}); answered by the proxy"
 
     def _debug(self, msg: str, *args) -> None:
         if self.config.settings.debug:
