@@ -442,12 +442,16 @@ class History:
     async def _input_keys(self, tenant: Tenant, turn: Turn, get: GetRecords,
                           asked: str) -> tuple[list[bytes], list[bytes]]:
         """A turn's whole input (item keys), and the keys of the turns whose
-        input it extends."""
+        input it extends. That chain is the proxy's own way of storing a
+        full-history conversation once (one link per turn): it is not the
+        client's chain, so ``stateful_max_depth`` does not bound it; each turn
+        extends one recorded before it, and a chain that comes back to a turn
+        (a record not this proxy's) is unavailable."""
         keys, bases = list(turn.body.input), []
-        base, depth = turn.body.input_base, 0
+        base, seen = turn.body.input_base, {turn.body.response_id}
         while base is not None:
-            depth += 1
-            based_on = await self.turn(tenant, base, get) if depth <= self.max_depth else None
+            based_on = await self.turn(tenant, base, get) if base not in seen else None
+            seen.add(base)
             if based_on is None:
                 raise ChainError("session_chain_unavailable",
                                  f"The input of a response in the chain ending at '{asked}' is no longer "
