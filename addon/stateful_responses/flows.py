@@ -31,7 +31,6 @@ CONVERSATION = "stateful_conversation"  # {"id", "items", …}: a conversation t
 ROUTED = "stateful_routed"  # {"upstream", "reason", "moved", …}: where the router sent it
 RETRY_OF = "stateful_retry_of"  # our own retry of the client's flow (its id)
 BRIDGED = "stateful_websocket"  # {"transport", "action", …}: an HTTP request served over an upstream WebSocket
-OVERFLOW = "stateful_websocket_overflow"  # every socket holds a live conversation: over HTTP, as without the bridge
 # flow.metadata key: an answer held back whole, so that the response hook can
 # replace it before the client sees a byte; no addon streams it.
 HELD = "stateful_held"
@@ -121,11 +120,9 @@ def _headers_read(fields: tuple[tuple[bytes, bytes], ...]) -> dict[str, str]:
 
 
 def bridge_runs_for(flow: http.HTTPFlow) -> bool:
-    """Whether the WebSocket bridge may serve a flow: not in ``--mode
-    upstream:``, where its socket would have to go through that proxy, nor one
-    its pool turned away because every socket holds a live conversation (that
-    conversation goes over HTTP as it would without the bridge)."""
-    return not isinstance(flow.client_conn.proxy_mode, mode_specs.UpstreamMode) and OVERFLOW not in flow.metadata
+    """Whether the WebSocket bridge may serve a flow of its proxy mode: not in
+    ``--mode upstream:``, where its socket would have to go through that proxy."""
+    return not isinstance(flow.client_conn.proxy_mode, mode_specs.UpstreamMode)
 
 
 def request_of(flow: http.HTTPFlow, req: http.Request | None = None) -> Request:

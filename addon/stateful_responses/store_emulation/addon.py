@@ -782,6 +782,9 @@ class ConversationEmulation:
         resolve = lambda ids: self.history.referenced(record.tenant, ids, self.state.get_strict)  # noqa: E731
         status, body = await self.conversations.answer(record.tenant, call, record.conversation, resolve,
                                                        self.state.get_strict)
+        if status == 200 and call.endpoint == "delete" and record.conversation is not None:
+            # Its items are erased: a reference to one resolves nowhere, though the responses made in it stay.
+            self.history.forget_item_ids(record.tenant, (item.id for item in record.conversation.items))
         change = status == 200 and call.endpoint in CHANGES
         durable = await self.state.written(self.state.flush(), ANSWER_WAIT, through_outage=change)
         if change and not durable:

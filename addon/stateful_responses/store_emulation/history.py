@@ -8,7 +8,7 @@ everything for other processes and restarts, until it expires.
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -275,6 +275,14 @@ class History:
         for where in [k for k, v in self.inputs.items() if k[0] == tenant.tag and v == response_id]:
             del self.inputs[where]
         return True
+
+    def forget_item_ids(self, tenant: Tenant, item_ids: Iterable[str]) -> None:
+        """Items no ``item_reference`` may name any more (a deleted
+        conversation's): their ids are removed, whichever turn recorded them."""
+        for item_id in dict.fromkeys(item_ids):
+            if item_id:
+                for key in tenant.item_id_keys(item_id):
+                    self._outbox.append(Write(ITEM_IDS, key, None))
 
     async def deleted_lately(self, tenant: Tenant, response_id: str, get: GetRecords) -> bool:
         """Whether a client deleted the response through the proxy within

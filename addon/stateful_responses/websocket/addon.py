@@ -35,7 +35,6 @@ from ..flows import (
     CLIENT_BODY,
     DECISION,
     HELD,
-    OVERFLOW,
     RETRY_OF,
     PerFlow,
     bridge_runs_for,
@@ -51,7 +50,7 @@ from ..upstreams import Upstreams
 from .connect import Refused, Target, TLSOptions, Unreachable, open_socket
 from .loopback import PATH_PREFIX, Answer, Loopback
 from .messages import Tip, socket_message
-from .pool import Declined, Held, Pool
+from .pool import Held, Pool
 from .relay import HttpAnswer, Outcome, Turn, relay
 
 logger = logging.getLogger(__name__)
@@ -211,11 +210,8 @@ class WebSocketBridge:
         # credential: a socket serves only the name, path and query it was opened to.
         choice = self.pool.choose(f"{scope}\x00{target.url}", root, reading.digests, references)
         self._close(self.pool.take_closing())
-        if isinstance(choice, Declined):
-            if choice.reason == "live":
-                flow.metadata[OVERFLOW] = True  # forward mode treats it as it would without the bridge
-            self._debug("ws: every socket of %s is %s; over HTTP", label,
-                        "busy" if choice.reason == "busy" else "holding a live conversation")
+        if choice is None:
+            self._debug("ws: every socket of %s is busy; over HTTP", label)
             return
         try:
             await self._take(flow, reading, target, root, references, choice.held, choice.continued, choice.fresh)

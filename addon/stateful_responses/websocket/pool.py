@@ -6,15 +6,9 @@ credential), each runs one turn at a time and remembers its most recent
 completed response (its ``Tip``, under a namespace root that adds the model).
 A turn takes the idle socket whose tip its history strictly extends (the
 deepest), else one that remembers nothing, else a new socket while the scope
-has fewer than ``max_per_scope``, else the least recently used idle socket
-whose tip is stale (unused for ``live_s``: its memory is replaced), else none:
-it goes over HTTP (``Declined``). A live tip is never replaced: with more
-conversations than sockets, replacing the memory the next turn needs makes
-every turn whole (the pool thrashes), while leaving the sockets to the
-conversations that hold them keeps those continued and sends the others over
-HTTP, where forward mode continues them as it would without the bridge. So
-parallel conversations, and two turns of one branch at once, each get a socket
-of their own.
+has fewer than ``max_per_scope``, else the least recently used idle one (its
+memory is replaced), else none: it goes over HTTP. So parallel conversations, and two turns of one branch at
+once, each get a socket of their own.
 
 Bounded and expiring: at most ``max_per_scope`` sockets per scope and
 ``max_total`` in all; a socket idle for ``idle_s`` is closed, and one is
@@ -32,7 +26,6 @@ from .messages import Tip
 
 ROTATE_AFTER = 55 * 60.0  # the API refuses a socket's turns after 60 minutes; clients rotate at 55
 MAX_SOCKETS = 1024  # across every upstream + credential
-LIVE_S = 60.0  # a tip used this recently is live: an agent loop's next turn follows within seconds
 
 
 @dataclass(eq=False)
@@ -62,20 +55,10 @@ class Choice:
     fresh: bool
 
 
-@dataclass(frozen=True)
-class Declined:
-    """No socket for the turn: every one is ``busy`` (at the caps), or each
-    idle one holds a ``live`` conversation's memory (the turn goes over HTTP
-    as it would without the bridge, and so will its next ones)."""
-
-    reason: str  # "busy" or "live"
-
-
 class Pool:
     def __init__(self, clock: Callable[[], float], max_per_scope: int, idle_s: float,
-                 max_total: int = MAX_SOCKETS, rotate_after: float = ROTATE_AFTER, live_s: float = LIVE_S) -> None:
+                 max_total: int = MAX_SOCKETS, rotate_after: float = ROTATE_AFTER) -> None:
         self.clock = clock
-        self.live_s = live_s
         self.max_per_scope = max_per_scope
         self.idle_s = idle_s
         self.max_total = max_total
@@ -90,8 +73,7 @@ class Pool:
     def sockets(self, scope: str) -> list[Held]:
         return list(self._scopes.get(scope, ()))
 
-    def choose(self, scope: str, root: bytes, digests: list[bytes],
-               references: dict[bytes, str]) -> Choice | Declined:
+    def choose(self, scope: str, root: bytes, digests: list[bytes], references: dict[bytes, str]) -> Choice | None:
         """The socket for a turn of ``scope`` whose history is ``digests``
         (``references``: which of them are item references, and to what id).
         Connections found expired on the way wait in ``take_closing``."""
@@ -111,11 +93,10 @@ class Pool:
             self._scopes.setdefault(scope, []).append(held)
             self._total += 1
             return Choice(held, None, True)
-        stale = [h for h in idle if now - h.used >= self.live_s]
-        if stale:
-            held = min(stale, key=lambda h: h.used)
+        if idle:
+            held = min(idle, key=lambda h: h.used)
             return Choice(self._take(held, now), None, False)
-        return Declined("live" if idle else "busy")
+        return None
 
     @staticmethod
     def _take(held: Held, now: float) -> Held:
