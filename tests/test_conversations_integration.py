@@ -828,3 +828,26 @@ def test_a_change_waits_through_a_short_store_lock_and_lands_once(emulator, star
     else:
         assert answer.json()["id"] == conversation.id and listed(client, conversation.id) == []
     client.close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_with_stream_large_bodies_a_large_turn_still_goes_with_its_conversation(emulator, start_proxy, mode, stream):
+    """mitmproxy streams a body past the addons above ``stream_large_bodies``:
+    a large turn in a conversation the proxy keeps still reaches the upstream
+    with the conversation's items, and joins it with its own answer."""
+    emulator.model.control({"conversations": "absent"})
+    proxy = start_proxy(emulator.url, "--set", f"stateful_emulate={mode}", "--set", "stream_large_bodies=2k")
+    client = sdk(proxy)
+    conversation = client.conversations.create(items=[{"role": "developer", "content": "be brief"}])
+    for text in ["a small turn", "a large turn " + "x" * 8000, "another " + "y" * 8000]:
+        before = listed(client, conversation.id)
+        new = [{"role": "user", "content": text}]
+        response = respond(client, stream, model="gpt-test", input=new, conversation=conversation.id)
+        seen = log(emulator)[-1]
+        assert seen["conversation"] is None and meaning(seen["context"]) == meaning(before + new)
+        after = listed(client, conversation.id)
+        assert meaning(after) == meaning(before + new + seen["output"])
+        assert response.output_text == seen["output"][-1]["content"][0]["text"]
+    client.close()
+    assert "internal error" not in proxy.output() and "Traceback" not in proxy.output()

@@ -318,3 +318,20 @@ def test_stateful_max_depth_counts_the_clients_chain_only(emulator, start_proxy)
     deeper = chained(proxy, ["one", "two"], previous=go_on.json()["id"])  # the client's chain: now 4 deep
     refused = post(proxy, {"model": "gpt-test", "input": "x", "previous_response_id": deeper[-1]["id"]})
     assert refused.json()["error"]["code"] == "session_chain_depth_exceeded"  # the limit still holds for it
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_with_stream_large_bodies_a_large_continuation_is_still_expanded(emulator, start_proxy, mode, stream):
+    """mitmproxy streams a body past the addons above ``stream_large_bodies``:
+    a large ``previous_response_id`` turn still reaches an upstream that
+    stores nothing with its chain, and is recorded for the next turn."""
+    emulator.model.control({"stateless": "reject"})
+    proxy = start_proxy(emulator.url, "--set", f"stateful_emulate={mode}", "--set", "stream_large_bodies=2k")
+    conv = ChainedConversation(proxy.url, stream=stream)
+    for text in ["a small turn", "a large turn " + "x" * 8000, "after it", "another " + "y" * 8000]:
+        conv.turn(text)
+    conv.close()
+    assert_chain_context_preserved(conv, log(emulator))
+    output = proxy.output()
+    assert "internal error" not in output and "Traceback" not in output

@@ -34,6 +34,9 @@ BRIDGED = "stateful_websocket"  # {"transport", "action", …}: an HTTP request 
 # flow.metadata key: an answer held back whole, so that the response hook can
 # replace it before the client sees a byte; no addon streams it.
 HELD = "stateful_held"
+# A body mitmproxy streams, held back whole from the upstream (which gets it empty) because it names state the
+# emulations may expand: store emulation sends the request, as the request hooks leave it, in its place.
+WITHHELD = "stateful_withheld"
 
 
 def hold(flow: http.HTTPFlow) -> None:

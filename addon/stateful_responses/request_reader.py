@@ -75,6 +75,17 @@ def upstream_of(url: str) -> str | None:
 
 
 _TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def names_kept_state(body: bytes) -> bool:
+    """Whether a Responses request's body names state store emulation may
+    have to expand (``conversation``, ``previous_response_id``): such a body
+    cannot go upstream before the emulations read the store."""
+    try:
+        fields = _TOP.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return False
+    return any(bytes(fields.get(name, b"null")) != b"null" for name in ("conversation", "previous_response_id"))
 _ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
 
 

@@ -50,6 +50,7 @@ from ..flows import (
     HELD,
     RETRY_OF,
     ROUTED,
+    WITHHELD,
     PerFlow,
     client_flow,
     end_still_to_come,
@@ -164,6 +165,7 @@ class StoreEmulation:
         self.replays = replays
         self.proofs = proofs
         self._flows: PerFlow[_Flow] = PerFlow()
+        self._own_answers: PerFlow[http.Response] = PerFlow()  # the proxy's answer to a withheld body
         self._renewals = asyncio.Semaphore(RENEWALS)
         self._keyless_said = False
 
@@ -196,6 +198,12 @@ class StoreEmulation:
     # -- requests ------------------------------------------------------------------
 
     async def request(self, flow: http.HTTPFlow) -> None:
+        await self._request(flow)
+        if flow.metadata.get(WITHHELD) and flow.metadata.get(RETRY_OF) is None and flow.response is not None:
+            # mitmproxy streamed this body: the upstream's answer to what it was sent will take this one's place
+            self._own_answers.put(flow, flow.response)
+
+    async def _request(self, flow: http.HTTPFlow) -> None:
         if self.mode == "off" or flow.metadata.get(RETRY_OF) is not None or flow.response is not None:
             return
         await self.state.ready()
@@ -459,6 +467,9 @@ class StoreEmulation:
     # -- answers -------------------------------------------------------------------
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.metadata.get(WITHHELD) and flow.metadata.get(RETRY_OF) is None and flow.response is not None:
+            hold(flow)  # the answer to an empty body: the response hook replaces it
+            return
         record = self._flows.get(client_flow(flow))
         if record is None or flow.response is None:
             return
@@ -488,6 +499,10 @@ class StoreEmulation:
             internal_error(self.counters, "tapping an answer to record")
 
     async def response(self, flow: http.HTTPFlow) -> None:
+        if flow.metadata.get(WITHHELD) and flow.metadata.get(RETRY_OF) is None:
+            await self._send_withheld(flow)
+            self._flows.pop(flow)
+            return
         client = client_flow(flow)
         record = self._flows.get(client)
         if record is None or flow.response is None:
@@ -515,6 +530,24 @@ class StoreEmulation:
     def error(self, flow: http.HTTPFlow) -> None:
         if flow.metadata.get(RETRY_OF) is None:
             self._flows.pop(flow)
+
+    async def _send_withheld(self, flow: http.HTTPFlow) -> None:
+        """A body mitmproxy streamed, held back from the upstream until the
+        request hooks had read the store (``WITHHELD``): the request goes now,
+        as they left it (a conversation or chain expanded, planned by forward
+        mode), and its answer, whole, is the client's; the answer the proxy
+        made itself, where it made one. The retry's hooks record and join it."""
+        own = self._own_answers.pop(flow)
+        if own is not None:
+            flow.response = own
+            return
+        try:
+            request = flow.request.copy()
+            request.headers.pop("transfer-encoding", None)  # streamed chunked; sent whole now
+            request.headers["content-length"] = str(len(request.raw_content or b""))
+            flow.response, _ = await self.replays.send(flow, request, "a streamed body sent once expanded")
+        except Exception:
+            internal_error(self.counters, "sending a withheld body")
 
     def _retryable(self, flow: http.HTTPFlow, record: _Flow) -> bool:
         """A client's own previous_response_id sent as it is (auto mode)."""
