@@ -849,5 +849,10 @@ def test_with_stream_large_bodies_a_large_turn_still_goes_with_its_conversation(
         after = listed(client, conversation.id)
         assert meaning(after) == meaning(before + new + seen["output"])
         assert response.output_text == seen["output"][-1]["content"][0]["text"]
+    calls = len(log(emulator))
+    both = call(proxy, "POST", "/v1/responses", {"model": "gpt-test", "input": "z" * 8000,
+                                                 "conversation": conversation.id, "previous_response_id": "resp_x"})
+    assert both.json()["error"]["code"] == "mutually_exclusive_parameters"  # the proxy's own answer, as the API's
+    assert all(record["body_bytes"] == 0 for record in log(emulator)[calls:])  # the held-back body, none of it
     client.close()
     assert "internal error" not in proxy.output() and "Traceback" not in proxy.output()

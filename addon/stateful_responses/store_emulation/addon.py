@@ -199,7 +199,7 @@ class StoreEmulation:
 
     async def request(self, flow: http.HTTPFlow) -> None:
         await self._request(flow)
-        if flow.metadata.get(WITHHELD) and flow.metadata.get(RETRY_OF) is None and flow.response is not None:
+        if _withheld(flow) and flow.response is not None:
             # mitmproxy streamed this body: the upstream's answer to what it was sent will take this one's place
             self._own_answers.put(flow, flow.response)
 
@@ -467,7 +467,7 @@ class StoreEmulation:
     # -- answers -------------------------------------------------------------------
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        if flow.metadata.get(WITHHELD) and flow.metadata.get(RETRY_OF) is None and flow.response is not None:
+        if _withheld(flow) and flow.response is not None:
             hold(flow)  # the answer to an empty body: the response hook replaces it
             return
         record = self._flows.get(client_flow(flow))
@@ -499,7 +499,7 @@ class StoreEmulation:
             internal_error(self.counters, "tapping an answer to record")
 
     async def response(self, flow: http.HTTPFlow) -> None:
-        if flow.metadata.get(WITHHELD) and flow.metadata.get(RETRY_OF) is None:
+        if _withheld(flow):
             await self._send_withheld(flow)
             self._flows.pop(flow)
             return
@@ -642,6 +642,12 @@ class StoreEmulation:
     def _debug(self, msg: str, *args) -> None:
         if self.config.settings.debug:
             logger.info("stateful-responses: " + msg, *args)
+
+
+def _withheld(flow: http.HTTPFlow) -> bool:
+    """A client's flow whose streamed body was held back from the upstream
+    (``WITHHELD``): store emulation sends its request in its place."""
+    return bool(flow.metadata.get(WITHHELD)) and flow.metadata.get(RETRY_OF) is None
 
 
 def _length(response: http.Response) -> int | None:
@@ -956,6 +962,8 @@ class ConversationEmulation:
                 self._note_served(flow)
             except Exception:
                 internal_error(self.counters, "noting a Responses API host")
+        if _withheld(flow):
+            return  # the answer to an empty body: its request is sent in its place, and that answer judged or joined
         record = self._flows.get(client_flow(flow))
         if record is None or flow.response is None:
             return
@@ -1003,7 +1011,7 @@ class ConversationEmulation:
     async def response(self, flow: http.HTTPFlow) -> None:
         client = client_flow(flow)
         record = self._flows.get(client)
-        if record is None or flow.response is None:
+        if record is None or flow.response is None or _withheld(flow):
             return
         try:
             if record.judged is not None:
