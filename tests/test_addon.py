@@ -294,7 +294,8 @@ async def test_clear_erases_the_conversations_the_proxy_keeps(tmp_path):
                                            path=path, content=body,
                                            headers=[(b"authorization", b"Bearer sk-x")]))
 
-    async with Glue(stateful_store=f"sqlite:{tmp_path / 'state.db'}", stateful_emulate="always") as addon:
+    async with Glue(stateful_store=f"sqlite:{tmp_path / 'state.db'}", stateful_emulate="always",
+                    stateful_base_urls=["https://api.example.test/v1"]) as addon:
         created = conversations_flow(b"POST", b"/v1/conversations", b'{"items": [{"role": "user", "content": "x"}]}')
         await addon.conversations.request(created)
         conversation_id = json.loads(created.response.content)["id"]

@@ -7,10 +7,13 @@ items, as the API lists them, then the request's input."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import json
+import sqlite3
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
 import pytest
@@ -536,8 +539,9 @@ def test_while_the_store_is_out_of_reach_a_conversation_request_goes_as_the_clie
     assert log(emulator)[-1]["conversation"] == conversation_id
     listing = call(proxy, "GET", f"/v1/conversations/{conversation_id}/items")
     assert listing.json()["error"]["message"].startswith("Invalid URL")  # the upstream's own answer
-    created = call(proxy, "POST", "/v1/conversations", {})
-    assert created.json()["error"]["message"].startswith("Invalid URL")  # no id the store does not hold
+    created = call(proxy, "POST", "/v1/conversations", {})  # waits for the store, as long as a DELETE would
+    assert created.status_code == 503 and created.json()["error"]["type"] == "server_error"  # "try again"
+    assert "id" not in created.json()  # no id the store does not hold, nor the upstream's 404
     assert "Traceback" not in proxy.output() and "internal error" not in proxy.output()
 
 
@@ -656,3 +660,199 @@ def test_a_streamed_answer_names_its_conversation_where_the_upstream_would_compr
         assert response.conversation is not None and response.conversation.id == conversation.id
     assert len(listed(client, conversation.id)) == 5
     client.close()
+
+
+class _Helpdesk(BaseHTTPRequestHandler):
+    """A host with a ``/conversations`` API of its own, not the Responses API's."""
+
+    def _answer(self, status: int, payload: dict) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):  # noqa: N802
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        self._answer(201, {"id": 7, "subject": "printer"})
+
+    def do_GET(self):  # noqa: N802
+        found = self.path == "/api/conversations/7"
+        self._answer(200 if found else 404, {"id": 7, "subject": "printer"} if found else {"detail": "Not Found"})
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_in_regular_mode_only_a_responses_api_hosts_conversations_are_answered(emulator, start_proxy, mode):
+    emulator.model.control({"conversations": "absent"})
+    helpdesk = ThreadingHTTPServer(("127.0.0.1", 0), _Helpdesk)
+    threading.Thread(target=helpdesk.serve_forever, daemon=True).start()
+    desk = f"http://127.0.0.1:{helpdesk.server_address[1]}/api/conversations"
+    try:
+        proxy = start_proxy(emulator.url, "--set", f"stateful_emulate={mode}", mode="regular")
+        headers = {"authorization": f"Bearer {KEY}"}
+        with httpx.Client(proxy=proxy.url, trust_env=False, timeout=30, headers=headers) as client:
+            assert client.get(desk + "/unknown").json() == {"detail": "Not Found"}  # its own 404 marks nothing
+            assert client.post(desk, json={"subject": "printer"}).json() == {"id": 7, "subject": "printer"}
+            assert client.get(desk + "/7").json() == {"id": 7, "subject": "printer"}
+            # A host that served /responses is the Responses API's: its conversations are the proxy's to keep.
+            turn = client.post(emulator.url + "/v1/responses", json={"model": "m", "input": "hello"})
+            assert turn.status_code == 200
+            created = client.post(emulator.url + "/v1/conversations", json={})
+            assert created.status_code == 200 and created.json()["id"].startswith("conv_")
+            answer = client.post(emulator.url + "/v1/responses",
+                                 json={"model": "m", "input": "again", "conversation": created.json()["id"]})
+            assert answer.json()["conversation"] == {"id": created.json()["id"]}
+            assert client.post(desk, json={}).json() == {"id": 7, "subject": "printer"}
+    finally:
+        helpdesk.shutdown()
+        helpdesk.server_close()
+
+
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_a_deleted_conversations_items_resolve_nowhere(emulator, start_proxy, mode):
+    emulator.model.control({"conversations": "absent", "stateless": "ignore"})  # Ollama: it keeps nothing
+    proxy = start_proxy(emulator.url, "--set", f"stateful_emulate={mode}")
+    client = sdk(proxy)
+    conversation = client.conversations.create(items=[{"role": "user", "content": "the secret plan"}])
+    client.responses.create(model="gpt-test", input="go on", conversation=conversation.id)
+    ids = [item["id"] for item in listed(client, conversation.id)]
+    assert len(ids) == 3
+    other = client.conversations.create()
+    copied = client.conversations.items.create(other.id, items=[{"type": "item_reference", "id": ids[0]}])
+    assert "the secret plan" in json.dumps(copied.model_dump())  # while it lives, a reference resolves
+    client.conversations.delete(conversation.id)
+    third = client.conversations.create()
+    seen = len(log(emulator))
+    for item_id in ids:
+        refused = call(proxy, "POST", f"/v1/conversations/{third.id}/items",
+                       {"items": [{"type": "item_reference", "id": item_id}]})
+        assert refused.status_code == 404 and refused.json()["error"]["message"] == \
+            f"Item with id '{item_id}' not found."
+        turn = call(proxy, "POST", "/v1/responses",
+                    {"model": "gpt-test", "input": [{"type": "item_reference", "id": item_id}]})
+        assert turn.status_code == 404 and item_id in turn.json()["error"]["message"]  # left to the upstream
+    assert "the secret plan" not in json.dumps(log(emulator)[seen:])
+    client.close()
+
+
+async def test_an_upstream_repeating_item_ids_leaves_every_item_its_own_id(emulator, start_proxy):
+    """An upstream whose numbering restarted answers every response with
+    ``msg_1``: each joins the conversation under an id of its own, so the
+    newest item is the one listed first and deleting it deletes it alone
+    (openai-agents' ``pop_item`` takes back the answer, not the question)."""
+    agents = pytest.importorskip("agents")
+    from agents.memory import OpenAIConversationsSession
+
+    emulator.model.control({"conversations": "absent", "numbered_ids": True})
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=auto")
+    agent, client = weather_agent(agents, proxy)
+    conversation = await client.conversations.create()
+    answers = [(await agents.Runner.run(agent, turn, conversation_id=conversation.id)).final_output
+               for turn in ["one", "two"]]
+    assert [record["output"][0]["id"] for record in log(emulator)] == ["msg_1", "msg_1"]
+    kept = await items_of(client, conversation.id)
+    assert len(kept) == 4 and len({item["id"] for item in kept}) == 4
+    newest = (await client.conversations.items.list(conversation.id, order="desc", limit=1)).data
+    assert [item.content[0].text for item in newest] == [answers[1]]
+    session = OpenAIConversationsSession(conversation_id=conversation.id, openai_client=client)
+    popped = await session.pop_item()
+    assert popped is not None and popped["role"] == "assistant" and popped["content"][0]["text"] == answers[1]
+    assert await items_of(client, conversation.id) == kept[:3]  # the answer alone is gone
+    await client.conversations.items.delete(kept[1]["id"], conversation_id=conversation.id)
+    assert await items_of(client, conversation.id) == [kept[0], kept[2]]
+    await client.close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_a_conversation_the_proxy_keeps_is_expanded_whatever_the_model(emulator, start_proxy, mode, stream):
+    emulator.model.control({"conversations": "absent"})
+    proxy = start_proxy(emulator.url, "--set", f"stateful_emulate={mode}", "--set", "stateful_models=gpt-test")
+    client = sdk(proxy)
+    conversation = client.conversations.create(items=[{"role": "developer", "content": "be brief"}])
+    for model in ["gpt-test", "another-model"]:
+        before = listed(client, conversation.id)
+        new = [{"role": "user", "content": f"hello from {model}"}]
+        response = respond(client, stream, model=model, input=new, conversation=conversation.id)
+        seen = log(emulator)[-1]
+        assert seen["conversation"] is None and meaning(seen["context"]) == meaning(before + new)
+        assert response.conversation.id == conversation.id
+        assert meaning(listed(client, conversation.id)) == meaning(before + new + seen["output"])
+    # Another model's request in a conversation the proxy does not keep is left alone.
+    theirs = call(proxy, "POST", "/v1/responses", {"model": "another-model", "input": "x", "conversation": "conv_x"})
+    assert theirs.status_code == 400 and "conversation" in theirs.text  # the upstream's own refusal of the field
+    client.close()
+
+
+@pytest.mark.parametrize("change", ["create", "add_items", "delete_item"])
+def test_a_change_waits_through_a_short_store_lock_and_lands_once(emulator, start_proxy, tmp_path, change):
+    """The store is locked past its busy timeout (the write fails, and is
+    sent again once the lock is gone): the change is answered once it is
+    written, as the API answers it, never by the upstream that lacks the API;
+    it lands once."""
+    emulator.model.control({"conversations": "absent"})
+    path = tmp_path / "state.db"
+    proxy = start_proxy(emulator.url, "--set", f"stateful_store=sqlite:{path}", "--set", "stateful_emulate=auto")
+    client = sdk(proxy)
+    conversation = client.conversations.create(items=[{"role": "user", "content": "first"}])
+    before = listed(client, conversation.id)
+    requests = {"create": ("POST", "/v1/conversations", {"items": [{"role": "user", "content": "new"}]}),
+                "add_items": ("POST", f"/v1/conversations/{conversation.id}/items",
+                              {"items": [{"role": "user", "content": "added"}]}),
+                "delete_item": ("DELETE", f"/v1/conversations/{conversation.id}/items/{before[0]['id']}", None)}
+    lock = sqlite3.connect(path, timeout=10, isolation_level=None)
+    lock.execute("BEGIN EXCLUSIVE")  # reads go on, writes wait and fail
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(call, proxy, *requests[change])
+            deadline = time.monotonic() + 20
+            while "unavailable" not in proxy.output() and time.monotonic() < deadline and not pending.done():
+                time.sleep(0.05)  # until the proxy has seen its write fail
+            lock.execute("ROLLBACK")
+            answer = pending.result()
+    finally:
+        if lock.in_transaction:
+            lock.execute("ROLLBACK")
+        lock.close()
+    assert "unavailable" in proxy.output()
+    assert answer.status_code == 200, answer.text  # the proxy's answer, not the upstream's 404
+    if change == "create":
+        made = answer.json()["id"]
+        assert made.startswith("conv_") and [i["content"][0]["text"] for i in listed(client, made)] == ["new"]
+    elif change == "add_items":
+        assert [i["content"][0]["text"] for i in listed(client, conversation.id)] == ["first", "added"]
+    else:
+        assert answer.json()["id"] == conversation.id and listed(client, conversation.id) == []
+    client.close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_with_stream_large_bodies_a_large_turn_still_goes_with_its_conversation(emulator, start_proxy, mode, stream):
+    """mitmproxy streams a body past the addons above ``stream_large_bodies``:
+    a large turn in a conversation the proxy keeps still reaches the upstream
+    with the conversation's items, and joins it with its own answer."""
+    emulator.model.control({"conversations": "absent"})
+    proxy = start_proxy(emulator.url, "--set", f"stateful_emulate={mode}", "--set", "stream_large_bodies=2k")
+    client = sdk(proxy)
+    conversation = client.conversations.create(items=[{"role": "developer", "content": "be brief"}])
+    for text in ["a small turn", "a large turn " + "x" * 8000, "another " + "y" * 8000]:
+        before = listed(client, conversation.id)
+        new = [{"role": "user", "content": text}]
+        response = respond(client, stream, model="gpt-test", input=new, conversation=conversation.id)
+        seen = log(emulator)[-1]
+        assert seen["conversation"] is None and meaning(seen["context"]) == meaning(before + new)
+        after = listed(client, conversation.id)
+        assert meaning(after) == meaning(before + new + seen["output"])
+        assert response.output_text == seen["output"][-1]["content"][0]["text"]
+    calls = len(log(emulator))
+    both = call(proxy, "POST", "/v1/responses", {"model": "gpt-test", "input": "z" * 8000,
+                                                 "conversation": conversation.id, "previous_response_id": "resp_x"})
+    assert both.json()["error"]["code"] == "mutually_exclusive_parameters"  # the proxy's own answer, as the API's
+    assert all(record["body_bytes"] == 0 for record in log(emulator)[calls:])  # the held-back body, none of it
+    client.close()
+    assert "internal error" not in proxy.output() and "Traceback" not in proxy.output()

@@ -293,3 +293,45 @@ def test_two_replicas_on_one_redis_share_the_record(emulator, start_proxy, redis
     contexts = [r["context"] for r in log(emulator)]
     assert [len(c) for c in contexts] == [2 * n + 1 for n in range(8)]  # every turn saw its whole chain
     assert [i["content"] for i in contexts[-1] if i.get("role") == "user"] == texts
+
+
+def test_stateful_max_depth_counts_the_clients_chain_only(emulator, start_proxy):
+    """Full-history turns past ``stateful_max_depth`` (stored each as what it
+    adds to the one before): continuing from the latest, a chain of depth 1
+    for the client, and listing its input items, both work."""
+    emulator.model.control({"stateless": "reject"})
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always", "--set", "stateful_max_depth=3")
+    history: list[dict] = []
+    for n in range(6):
+        history.append({"role": "user", "content": f"full-history turn {n}"})
+        answer = post(proxy, {"model": "gpt-test", "input": history})
+        assert answer.status_code == 200, answer.text
+        history += answer.json()["output"]
+    latest = answer.json()["id"]
+    go_on = post(proxy, {"model": "gpt-test", "input": "and now?", "previous_response_id": latest})
+    assert go_on.status_code == 200, go_on.text
+    assert meaning(log(emulator)[-1]["context"]) == meaning(history + [{"role": "user", "content": "and now?"}])
+    with httpx.Client(trust_env=False, timeout=30, headers=AUTH) as c:
+        listing = c.get(f"{proxy.url}/v1/responses/{latest}/input_items", params={"order": "asc", "limit": 100})
+    assert listing.status_code == 200, listing.text
+    assert len(listing.json()["data"]) == len(history) - 1  # every item but the latest answer
+    deeper = chained(proxy, ["one", "two"], previous=go_on.json()["id"])  # the client's chain: now 4 deep
+    refused = post(proxy, {"model": "gpt-test", "input": "x", "previous_response_id": deeper[-1]["id"]})
+    assert refused.json()["error"]["code"] == "session_chain_depth_exceeded"  # the limit still holds for it
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_with_stream_large_bodies_a_large_continuation_is_still_expanded(emulator, start_proxy, mode, stream):
+    """mitmproxy streams a body past the addons above ``stream_large_bodies``:
+    a large ``previous_response_id`` turn still reaches an upstream that
+    stores nothing with its chain, and is recorded for the next turn."""
+    emulator.model.control({"stateless": "reject"})
+    proxy = start_proxy(emulator.url, "--set", f"stateful_emulate={mode}", "--set", "stream_large_bodies=2k")
+    conv = ChainedConversation(proxy.url, stream=stream)
+    for text in ["a small turn", "a large turn " + "x" * 8000, "after it", "another " + "y" * 8000]:
+        conv.turn(text)
+    conv.close()
+    assert_chain_context_preserved(conv, log(emulator))
+    output = proxy.output()
+    assert "internal error" not in output and "Traceback" not in output

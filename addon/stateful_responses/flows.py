@@ -35,6 +35,9 @@ OVERFLOW = "stateful_websocket_overflow"  # every socket holds a live conversati
 # flow.metadata key: an answer held back whole, so that the response hook can
 # replace it before the client sees a byte; no addon streams it.
 HELD = "stateful_held"
+# A body mitmproxy streams, held back whole from the upstream (which gets it empty) because it names state the
+# emulations may expand: store emulation sends the request, as the request hooks leave it, in its place.
+WITHHELD = "stateful_withheld"
 
 
 def hold(flow: http.HTTPFlow) -> None:

@@ -75,6 +75,17 @@ def upstream_of(url: str) -> str | None:
 
 
 _TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def names_kept_state(body: bytes) -> bool:
+    """Whether a Responses request's body names state store emulation may
+    have to expand (``conversation``, ``previous_response_id``): such a body
+    cannot go upstream before the emulations read the store."""
+    try:
+        fields = _TOP.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return False
+    return any(bytes(fields.get(name, b"null")) != b"null" for name in ("conversation", "previous_response_id"))
 _ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
 
 
@@ -214,9 +225,10 @@ class Reader:
             return Skip("body holds invalid JSON", upstream)
         if not isinstance(model, str):
             return Skip("no string model", upstream)
-        if not s.model_matches(model):
-            return Skip("model not in stateful_models", upstream, model)
         in_conversation = _present(body, "conversation")
+        # A conversation the proxy keeps is expanded whatever the model: only the proxy knows its id.
+        if not s.model_matches(model) and not (in_conversation and conversations):
+            return Skip("model not in stateful_models", upstream, model)
         if in_conversation and not conversations:
             return Skip("client uses a conversation", upstream, model)
         try:

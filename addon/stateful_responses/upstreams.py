@@ -11,7 +11,9 @@ echoed the id, or billed more input than it was sent), ``refuses_previous``
 (refused or ignored a ``previous_response_id``), ``has_conversations`` (it
 answered the Conversations API as the API does), ``lacks_conversations``
 (it answered a Conversations endpoint 404/405, refused the ``conversation``
-field or ignored it) and ``refuses_websocket`` (refused the WebSocket
+field or ignored it), ``serves_responses`` (of a host, its scope made without
+a credential: it answered a Responses request, so its ``/conversations`` are
+the Responses API's) and ``refuses_websocket`` (refused the WebSocket
 upgrade, or a socket that did not continue what it was asked to). Each
 expires; setting one queues the write that shares
 it with every process using the store.
@@ -30,7 +32,7 @@ from .tenancy import Tenancy
 MARKS = "marks"  # kind + scope -> when it expires
 
 MarkKind = Literal["reads_back", "unsupported", "no_forced_store", "honours_previous", "refuses_previous",
-                   "has_conversations", "lacks_conversations", "refuses_websocket"]
+                   "has_conversations", "lacks_conversations", "refuses_websocket", "serves_responses"]
 MARK_KINDS = frozenset(MarkKind.__args__)  # type: ignore[attr-defined]
 
 # Answers that say "not now", not "not this": the client's SDK retries them and

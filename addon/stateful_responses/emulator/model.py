@@ -88,6 +88,7 @@ class Faults:
     background_delay_ms: int = 200  # a background response's time from queued to finished
     read_rate_bytes_per_s: int = 0  # request bodies are read at this rate (0: as fast as they come)
     websocket: str | None = None  # "refuse": upgrades get 404, as without the mode; "unavailable": 503
+    numbered_ids: bool = False  # output item ids numbered from 1 in every response (a server's counter restarted)
     ws_lifetime_s: float = 3600  # a socket's lifetime, after which response.create is refused
     next: list[dict] = field(default_factory=list)  # one-shot faults, FIFO
 
@@ -110,7 +111,7 @@ class Faults:
 
 SETTABLE = ("stateless", "ignore_previous", "conversations", "echo_store", "echo_previous", "input_items",
             "refuse_store", "forget_probability", "slow_ms", "think_ms", "gzip", "background_delay_ms",
-            "read_rate_bytes_per_s", "websocket", "ws_lifetime_s")
+            "read_rate_bytes_per_s", "websocket", "ws_lifetime_s", "numbered_ids")
 
 
 _SOCKET_NUMBERS = itertools.count(1)
@@ -431,9 +432,11 @@ class ResponsesModel:
         exactly the context it saw."""
         last = context[-1] if context else {}
         output: list = []
+        numbers = itertools.count(1)
+        item_id = (lambda prefix: f"{prefix}_{next(numbers)}") if self.faults.numbered_ids else new_id
         reasoning_request = body.get("reasoning")
         if isinstance(reasoning_request, dict):
-            reasoning: dict[str, Any] = {"type": "reasoning", "id": new_id("rs"), "summary": []}
+            reasoning: dict[str, Any] = {"type": "reasoning", "id": item_id("rs"), "summary": []}
             if reasoning_request.get("summary"):
                 reasoning["summary"] = [{"type": "summary_text", "text": f"Read {len(context)} items."}]
             if "reasoning.encrypted_content" in (body.get("include") or []):
@@ -447,7 +450,7 @@ class ResponsesModel:
             except ValueError:
                 args = {}
             output.append({
-                "type": "function_call", "id": new_id("fc"), "call_id": new_id("call"),
+                "type": "function_call", "id": item_id("fc"), "call_id": new_id("call"),
                 "name": match.group(1), "arguments": json.dumps(args), "status": "completed",
             })
             return output
@@ -457,7 +460,7 @@ class ResponsesModel:
             instructions = str(body["instructions"]).encode("utf-8", "surrogatepass")
             text += f" Instructions digest {hashlib.sha256(instructions).hexdigest()[:8]}."
         output.append({
-            "type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant",
+            "type": "message", "id": item_id("msg"), "status": "completed", "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
         })
         return output

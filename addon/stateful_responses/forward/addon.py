@@ -26,6 +26,7 @@ from ..flows import (
     DECISION,
     HELD,
     RETRY_OF,
+    WITHHELD,
     PerFlow,
     bridge_runs_for,
     end_still_to_come,
@@ -35,7 +36,7 @@ from ..flows import (
     request_of,
 )
 from ..proofs import Proofs
-from ..request_reader import upstream_of
+from ..request_reader import names_kept_state, upstream_of
 from ..replays import Replays
 from ..answer_reader import AnswerReader
 from ..state.access import StateAccess
@@ -153,6 +154,13 @@ class ForwardMode:
                     return []
                 held, body = bytes(body), None
                 return [held]
+            if self.planner.settings.emulate != "off" and flow.metadata.get(RETRY_OF) is None \
+                    and names_kept_state(bytes(body)):
+                # Store emulation reads the store before it can expand this: the body waits for the request hooks,
+                # and store emulation sends it in this flow's place (the upstream gets this one empty).
+                req.raw_content = bytes(body)
+                flow.metadata[WITHHELD] = True
+                return []
             original = req.copy()
             original.headers = client_headers
             original.raw_content = bytes(body)

@@ -40,6 +40,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import msgspec
 from mitmproxy import exceptions, http
+from mitmproxy.proxy import mode_specs
 
 from ..counters import Counters
 from ..flows import (
@@ -49,6 +50,7 @@ from ..flows import (
     HELD,
     RETRY_OF,
     ROUTED,
+    WITHHELD,
     PerFlow,
     client_flow,
     end_still_to_come,
@@ -58,7 +60,7 @@ from ..flows import (
     request_of,
 )
 from ..proofs import Proofs
-from ..request_reader import Reader, Reading, Skip, splice
+from ..request_reader import Reader, Reading, Skip, splice, upstream_of
 from ..replays import Replays
 from ..settings import Config
 from ..answer_reader import AnswerReader
@@ -163,6 +165,7 @@ class StoreEmulation:
         self.replays = replays
         self.proofs = proofs
         self._flows: PerFlow[_Flow] = PerFlow()
+        self._own_answers: PerFlow[http.Response] = PerFlow()  # the proxy's answer to a withheld body
         self._renewals = asyncio.Semaphore(RENEWALS)
         self._keyless_said = False
 
@@ -195,6 +198,12 @@ class StoreEmulation:
     # -- requests ------------------------------------------------------------------
 
     async def request(self, flow: http.HTTPFlow) -> None:
+        await self._request(flow)
+        if _withheld(flow) and flow.response is not None:
+            # mitmproxy streamed this body: the upstream's answer to what it was sent will take this one's place
+            self._own_answers.put(flow, flow.response)
+
+    async def _request(self, flow: http.HTTPFlow) -> None:
         if self.mode == "off" or flow.metadata.get(RETRY_OF) is not None or flow.response is not None:
             return
         await self.state.ready()
@@ -458,6 +467,9 @@ class StoreEmulation:
     # -- answers -------------------------------------------------------------------
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if _withheld(flow) and flow.response is not None:
+            hold(flow)  # the answer to an empty body: the response hook replaces it
+            return
         record = self._flows.get(client_flow(flow))
         if record is None or flow.response is None:
             return
@@ -487,6 +499,10 @@ class StoreEmulation:
             internal_error(self.counters, "tapping an answer to record")
 
     async def response(self, flow: http.HTTPFlow) -> None:
+        if _withheld(flow):
+            await self._send_withheld(flow)
+            self._flows.pop(flow)
+            return
         client = client_flow(flow)
         record = self._flows.get(client)
         if record is None or flow.response is None:
@@ -514,6 +530,24 @@ class StoreEmulation:
     def error(self, flow: http.HTTPFlow) -> None:
         if flow.metadata.get(RETRY_OF) is None:
             self._flows.pop(flow)
+
+    async def _send_withheld(self, flow: http.HTTPFlow) -> None:
+        """A body mitmproxy streamed, held back from the upstream until the
+        request hooks had read the store (``WITHHELD``): the request goes now,
+        as they left it (a conversation or chain expanded, planned by forward
+        mode), and its answer, whole, is the client's; the answer the proxy
+        made itself, where it made one. The retry's hooks record and join it."""
+        own = self._own_answers.pop(flow)
+        if own is not None:
+            flow.response = own
+            return
+        try:
+            request = flow.request.copy()
+            request.headers.pop("transfer-encoding", None)  # streamed chunked; sent whole now
+            request.headers["content-length"] = str(len(request.raw_content or b""))
+            flow.response, _ = await self.replays.send(flow, request, "a streamed body sent once expanded")
+        except Exception:
+            internal_error(self.counters, "sending a withheld body")
 
     def _retryable(self, flow: http.HTTPFlow, record: _Flow) -> bool:
         """A client's own previous_response_id sent as it is (auto mode)."""
@@ -610,6 +644,12 @@ class StoreEmulation:
             logger.info("stateful-responses: " + msg, *args)
 
 
+def _withheld(flow: http.HTTPFlow) -> bool:
+    """A client's flow whose streamed body was held back from the upstream
+    (``WITHHELD``): store emulation sends its request in its place."""
+    return bool(flow.metadata.get(WITHHELD)) and flow.metadata.get(RETRY_OF) is None
+
+
 def _length(response: http.Response) -> int | None:
     length = response.headers.get("content-length", "")
     return int(length) if length.isdigit() else None
@@ -657,6 +697,11 @@ def _api_answer(status: int, body: bytes) -> http.Response:
     return http.Response.make(status, body, {"Content-Type": "application/json"})
 
 
+def _not_saved() -> dict:
+    return {"error": {"message": "The change could not be saved: the proxy's store is unavailable. Try again.",
+                      "type": "server_error", "param": None, "code": None}}
+
+
 def _api_error(error: ApiError) -> http.Response:
     return _json_response(error.status, error.body)
 
@@ -691,6 +736,7 @@ class ConversationEmulation:
         self.proofs = proofs
         self.emulation = emulation
         self._flows: PerFlow[_InConversation] = PerFlow()
+        self._responses_to: PerFlow[str] = PerFlow()  # a Responses API request's base URL, until it is answered
 
     @property
     def mode(self) -> str:
@@ -709,15 +755,42 @@ class ConversationEmulation:
             url = urlsplit(flow.request.url)
             routed = route(flow.request.method, url.path)
             if routed is not None and self.config.settings.url_matches(flow.request.url):
-                await self.state.ready()
-                await self._endpoint(flow, *routed)
+                if self._serves_responses(flow, f"{url.scheme}://{url.netloc}{routed[0]}"):
+                    await self.state.ready()
+                    await self._endpoint(flow, *routed)
             elif flow.request.method.upper() == "POST" and url.path.rstrip("/").endswith("/responses"):
+                self._responses_to.put(flow, upstream_of(flow.request.url) or "")
                 await self.state.ready()
                 await self._response(flow)
         except StorageError:
             pass  # the record is out of reach: the request goes as the client sent it
         except Exception:
             internal_error(self.counters, "emulating a conversation")
+
+    def _serves_responses(self, flow: http.HTTPFlow, upstream: str) -> bool:
+        """Whether ``upstream`` is a Responses API host, the only kind whose
+        ``/conversations`` the proxy may answer: a configured one
+        (``stateful_base_urls``, ``stateful_upstreams``, reverse mode's) or
+        one that answered a Responses request through the proxy. In regular
+        or transparent mode any other host's ``/conversations`` (a helpdesk's
+        own API) is its own, never touched."""
+        settings = self.config.settings
+        if settings.base_urls or isinstance(flow.client_conn.proxy_mode, mode_specs.ReverseMode):
+            return True  # the flow's URL matched a configured base URL, or reverse mode's upstream is the only one
+        url = flow.request.url
+        if any(url.startswith(configured.rstrip("/") + "/") for configured in settings.upstreams):
+            return True
+        return self.upstreams.has("serves_responses", self.tenancy.scope(upstream, b"")[0])
+
+    def _note_served(self, flow: http.HTTPFlow) -> None:
+        """A host that answered a Responses request (a response, as JSON or
+        a stream) is a Responses API host."""
+        upstream = self._responses_to.get(client_flow(flow))
+        assert flow.response is not None
+        content_type = flow.response.headers.get("content-type", "").lower()
+        if upstream and flow.response.status_code < 300 and ("json" in content_type or "event-stream" in content_type):
+            if self.upstreams.mark("serves_responses", self.tenancy.scope(upstream, b"")[0]):
+                self.state.flush()
 
     async def _endpoint(self, flow: http.HTTPFlow, base: str, call: Call) -> None:
         url = urlsplit(flow.request.url)
@@ -738,22 +811,28 @@ class ConversationEmulation:
             return
         await self._answer(flow, record, call)
 
-    async def _answer(self, flow: http.HTTPFlow, record: _InConversation, call: Call) -> bool:
-        """Answer ``call`` as the API; False, leaving the flow as it was, when
-        what it changed could not be made durable (the store is down): the
-        client must never hold an id or an answer the store does not."""
+    async def _answer(self, flow: http.HTTPFlow, record: _InConversation, call: Call) -> None:
+        """Answer ``call`` as the API. A change is answered once it is durable,
+        waiting through a short outage of the store (ANSWER_WAIT at most) as a
+        DELETE of a response does, so that it is answered once and lands once;
+        one the store did not take in that time is the proxy's 503 (SDKs retry
+        it): the client must never hold an id or an answer the store does not,
+        nor be sent to an upstream that lacks the API."""
         resolve = lambda ids: self.history.referenced(record.tenant, ids, self.state.get_strict)  # noqa: E731
         status, body = await self.conversations.answer(record.tenant, call, record.conversation, resolve,
                                                        self.state.get_strict)
-        durable = await self.state.written(self.state.flush(), ANSWER_WAIT)
-        if status == 200 and call.endpoint in CHANGES and not durable:
-            self.conversations.clear()  # what memory holds of the change was never stored
-            return False
+        if status == 200 and call.endpoint == "delete" and record.conversation is not None:
+            # Its items are erased: a reference to one resolves nowhere, though the responses made in it stay.
+            self.history.forget_item_ids(record.tenant, (item.id for item in record.conversation.items))
+        change = status == 200 and call.endpoint in CHANGES
+        durable = await self.state.written(self.state.flush(), ANSWER_WAIT, through_outage=change)
+        if change and not durable:
+            self.conversations.clear()  # what memory holds of the change is not stored yet
+            status, body = 503, json.dumps(_not_saved()).encode()
         flow.response = _api_answer(status, body)
         flow.metadata[CONVERSATION] = {"endpoint": call.endpoint, "status": status}
         flow.comment = f"emulated: conversations {call.endpoint} answered by the proxy ({status})"
         self._debug("answered conversations %s: %d", call.endpoint, status)
-        return True
 
     async def _find(self, record: _InConversation, *, learn_secrets: bool) -> Conversation | None:
         """The conversation the request names, if the proxy keeps it for this
@@ -780,18 +859,23 @@ class ConversationEmulation:
         record = _InConversation(tenant_of(self.tenancy, reading.credential), reading.credential, reading.scope,
                                  reading.label, "")
         proxy_is_the_api = self._proxy_is_the_api(reading.scope)
+        # A model outside stateful_models is left alone unless its conversation is one the proxy keeps.
+        kept_only = not self.config.settings.model_matches(reading.model)
         if reading.previous is not None:
-            self._refuse(flow, mutually_exclusive())  # the API refuses it, whoever keeps the conversation
+            if not kept_only:
+                self._refuse(flow, mutually_exclusive())  # the API refuses it, whoever keeps the conversation
             return
         try:
             record.conversation_id = named(reading.conversation)
         except ApiError as e:
-            if proxy_is_the_api:
+            if proxy_is_the_api and not kept_only:
                 self._refuse(flow, e)
             return
         record.conversation = await self._find(record, learn_secrets=proxy_is_the_api)
         conversation = record.conversation
         if conversation is None:
+            if kept_only:
+                return
             if proxy_is_the_api:
                 self._refuse(flow, not_found(record.conversation_id))
             else:
@@ -873,6 +957,13 @@ class ConversationEmulation:
     # -- answers -------------------------------------------------------------------
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None and self._responses_to.get(client_flow(flow)) is not None:
+            try:
+                self._note_served(flow)
+            except Exception:
+                internal_error(self.counters, "noting a Responses API host")
+        if _withheld(flow):
+            return  # the answer to an empty body: its request is sent in its place, and that answer judged or joined
         record = self._flows.get(client_flow(flow))
         if record is None or flow.response is None:
             return
@@ -920,7 +1011,7 @@ class ConversationEmulation:
     async def response(self, flow: http.HTTPFlow) -> None:
         client = client_flow(flow)
         record = self._flows.get(client)
-        if record is None or flow.response is None:
+        if record is None or flow.response is None or _withheld(flow):
             return
         try:
             if record.judged is not None:
@@ -998,13 +1089,11 @@ class ConversationEmulation:
                         "for it from now on", record.label, status)
         self.state.flush()
         if call.endpoint == "create":
-            answered = await self._answer(flow, record, call)
+            await self._answer(flow, record, call)
         else:
-            answered = True
             flow.response = _api_error(not_found(call.conversation_id))  # nobody keeps it
-        if answered:
-            flow.metadata[CONVERSATION] = {"taken_over_after": status}
-            flow.comment = f"emulated: the upstream lacks the Conversations API ({status}); answered by the proxy"
+        flow.metadata[CONVERSATION] = {"taken_over_after": status}
+        flow.comment = f"emulated: the upstream lacks the Conversations API ({status}); answered by the proxy"
 
     def _debug(self, msg: str, *args) -> None:
         if self.config.settings.debug:

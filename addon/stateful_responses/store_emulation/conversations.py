@@ -283,7 +283,9 @@ class _Replay:
                     for place, item in enumerate(self.items):
                         if place not in self.removed:
                             self._places.setdefault(item.id, []).append(place)
-                self.removed.update(self._places.pop(event.item_id, ()))
+                places = self._places.get(event.item_id)
+                if places:  # one item, its id's last place: a log may list an id twice (written before renaming)
+                    self.removed.add(places.pop())
             elif isinstance(event, Retagged):
                 self.metadata = event.metadata
             else:
@@ -698,8 +700,16 @@ class Conversations:
         """A completed response joins its conversation: its input items (as
         ``listed``), then its output items."""
         items = list(listed_input)
-        items += [_JSON(item if isinstance(item, dict) and item.get("id") else listed_item(item, new_id))
-                  for item in output if isinstance(item, dict)]
+        taken = {item.id for item in conversation.items} | {Item.of(raw).id for raw in items}
+        for item in output:
+            if not isinstance(item, dict):
+                continue
+            if not item.get("id") or item["id"] in taken:
+                # An upstream that repeats an id (its numbering restarted) gets one of the proxy's: the API never
+                # lists one id twice, and a client deleting an item by id deletes the one it means.
+                item = listed_item({**item, "id": None}, new_id)
+            taken.add(item["id"])
+            items.append(_JSON(item))
         self.add(tenant, conversation, items)
 
 

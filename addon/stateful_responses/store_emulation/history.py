@@ -8,7 +8,7 @@ everything for other processes and restarts, until it expires.
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -276,6 +276,14 @@ class History:
             del self.inputs[where]
         return True
 
+    def forget_item_ids(self, tenant: Tenant, item_ids: Iterable[str]) -> None:
+        """Items no ``item_reference`` may name any more (a deleted
+        conversation's): their ids are removed, whichever turn recorded them."""
+        for item_id in dict.fromkeys(item_ids):
+            if item_id:
+                for key in tenant.item_id_keys(item_id):
+                    self._outbox.append(Write(ITEM_IDS, key, None))
+
     async def deleted_lately(self, tenant: Tenant, response_id: str, get: GetRecords) -> bool:
         """Whether a client deleted the response through the proxy within
         DELETED_FOR (its mark holds no content, only that it was), so that a
@@ -442,12 +450,16 @@ class History:
     async def _input_keys(self, tenant: Tenant, turn: Turn, get: GetRecords,
                           asked: str) -> tuple[list[bytes], list[bytes]]:
         """A turn's whole input (item keys), and the keys of the turns whose
-        input it extends."""
+        input it extends. That chain is the proxy's own way of storing a
+        full-history conversation once (one link per turn): it is not the
+        client's chain, so ``stateful_max_depth`` does not bound it; each turn
+        extends one recorded before it, and a chain that comes back to a turn
+        (a record not this proxy's) is unavailable."""
         keys, bases = list(turn.body.input), []
-        base, depth = turn.body.input_base, 0
+        base, seen = turn.body.input_base, {turn.body.response_id}
         while base is not None:
-            depth += 1
-            based_on = await self.turn(tenant, base, get) if depth <= self.max_depth else None
+            based_on = await self.turn(tenant, base, get) if base not in seen else None
+            seen.add(base)
             if based_on is None:
                 raise ChainError("session_chain_unavailable",
                                  f"The input of a response in the chain ending at '{asked}' is no longer "
