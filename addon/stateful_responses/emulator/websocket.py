@@ -67,6 +67,8 @@ class ResponsesSocket:
         self._lock = threading.Lock()  # the wsproto state and the socket's writes, shared with the reader
         self._messages: queue.Queue[bytes | None] = queue.Queue()  # None: no more will come
         self._closed = threading.Event()  # the client went away: every running turn stops
+        self._signal = threading.Condition()  # notified on each message taken and when the client goes away
+        self._received = 0  # messages taken so far
         self._turns: list[threading.Thread] = []
         self._steers: dict[str, list] = {}  # a running response's id -> the steering input accepted for it
         self._steer_ids = itertools.count(1)
@@ -98,6 +100,8 @@ class ResponsesSocket:
             pass  # the client went away: nothing is left to answer
         finally:
             self._closed.set()
+            with self._signal:
+                self._signal.notify_all()
             self.close()
             for turn in self._turns:
                 turn.join()
@@ -117,6 +121,9 @@ class ResponsesSocket:
         the model, whose events a thread of the turn's own sends; a refused
         message is one ``error`` event, sent at once (it never reaches the
         model), naming its lane."""
+        with self._signal:
+            self._received += 1
+            self._signal.notify_all()
         body = _parsed(message)
         if isinstance(body, dict) and body.get("type") == "response.steer":
             self._steer(body)
@@ -156,6 +163,7 @@ class ResponsesSocket:
             events = error_events(response, errors.STREAM_ERROR)
         else:
             events = sse_events(response, fault.get("terminal_event"), obfuscation=wants_obfuscation(body))
+        received = self._received  # a stall that ends on a message ends on one after the turn began
         self._pause(self.model.faults.think_ms)
         sent: list[str] = []
         for n, event in enumerate(events):
@@ -163,7 +171,7 @@ class ResponsesSocket:
                 self._drop(fault.get("code"))
                 return None
             if kind == "ws_stall" and n == fault.get("after_events", 0):
-                self._pause(fault.get("ms", STALL_MS))
+                self._pause(fault.get("ms", STALL_MS), received if fault.get("until_message") else None)
             if n == len(events) - 1 and (steering := self._steers.pop(response["id"], None)) is not None:
                 return self._steered(body, response, event, sent, steering, lane)
             if n == len(events) - 1 and not (kind == "ws_stall" and fault.get("after_events", 0) >= len(events)):
@@ -219,9 +227,15 @@ class ResponsesSocket:
                                   "steer": {"id": f"steer_{next(self._steer_ids)}", "previous_response_id": target}},
                                  lanes[0]))
 
-    def _pause(self, ms: float) -> None:
-        """Wait ``ms``, or until the client goes away."""
-        if self._closed.wait(ms / 1000):
+    def _pause(self, ms: float, received: int | None = None) -> None:
+        """Wait ``ms``, or until the client goes away; given ``received``, only
+        until a message beyond that many arrives."""
+        deadline = time.monotonic() + ms / 1000
+        with self._signal:
+            while not self._closed.is_set() and (received is None or self._received == received) \
+                    and (remaining := deadline - time.monotonic()) > 0:
+                self._signal.wait(remaining)
+        if self._closed.is_set():
             raise ClientGone
 
     def _drop(self, code: int | None) -> None:
