@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from stateful_responses.emulator import Emulator
 from test_https_proxy_integration import self_signed
+from test_node_clients_integration import node_clients  # noqa: F401 - a fixture
 from test_record_integration import wait_for_lines
 
 CLIENTS = Path(__file__).with_name("ws_record_clients.py")
@@ -142,3 +143,22 @@ def test_openai_agents_runs_over_their_own_sockets_are_one_chain(run):
     turns = [line["continuation"] for line in in_order(lines)]
     assert_one_linked_chain(turns)
     assert turns[4]["resumeFrom"]["previousResponseId"] == got["ids"][1]  # the third run, on from the second
+
+
+def test_openai_agents_js_runs_over_their_own_sockets_are_one_chain(node_clients, emulator, start_proxy, tmp_path):
+    record = tmp_path / "record.jsonl"
+    proxy = start_proxy(emulator.url, "--set", f"stateful_record_file={record}")  # it ignores HTTPS_PROXY
+    # Node.js 20 has its global WebSocket (undici's, which takes headers) behind a flag; later ones always
+    major = int(subprocess.run(["node", "--version"], capture_output=True, text=True).stdout.lstrip("v").split(".")[0])
+    flags = ["--experimental-websocket"] if major < 22 else []
+    result = subprocess.run(["node", *flags, "openai_agents_websocket.mjs", proxy.url + "/v1"],
+                            cwd=node_clients, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got, log = json.loads(result.stdout), emulator.model.snapshot_log()
+    wait_for_lines(record, len(log))
+    assert [r["socket"] - log[0]["socket"] for r in log] == [0, 0, 1, 1, 2, 2]  # a tool call and its answer each
+    # whole histories in the first two runs (the second resends the first's), continued by id in the third
+    assert [r["previous_response_id"] is not None for r in log] == [False, False, False, False, True, True]
+    turns = [line["continuation"] for line in in_order([json.loads(line) for line in record.read_text().splitlines()])]
+    assert_one_linked_chain(turns)
+    assert turns[4]["resumeFrom"]["previousResponseId"] == got["ids"][1]
