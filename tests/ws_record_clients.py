@@ -14,6 +14,8 @@ import openai
 from openai.lib.responses_websocket import AsyncResponsesWebSocketSession, ResponsesWebSocketLimits
 
 MODEL = "gpt-test"
+# websockets' 10 s to open is short for a busy machine whose regular proxy mints a certificate meanwhile
+OPEN = {"open_timeout": 60}
 LIMITS = ResponsesWebSocketLimits(max_lanes=4, max_events_per_lane=256, max_events=512, max_bytes_per_lane=1 << 22,
                                   max_bytes=1 << 23)
 
@@ -27,19 +29,19 @@ def sockets(client: openai.OpenAI) -> dict:
     """A conversation over three sockets: two turns on the first, one continued by id on a new socket (as a
     reconnect), then its whole history resent without the id on a third (as after previous_response_not_found)."""
     ids, history = [], []
-    with client.responses.connect() as conn:
+    with client.responses.connect(websocket_connection_options=OPEN) as conn:
         for n in range(2):
             conn.response.create(model=MODEL, input=f"socket turn {n}",
                                  **({"previous_response_id": ids[-1]} if ids else {}))
             response = final(conn)
             ids.append(response.id)
             history += [{"role": "user", "content": f"socket turn {n}"}, *response.output]
-    with client.responses.connect() as conn:
+    with client.responses.connect(websocket_connection_options=OPEN) as conn:
         conn.response.create(model=MODEL, input="socket turn 2", previous_response_id=ids[-1])
         response = final(conn)
         ids.append(response.id)
         history += [{"role": "user", "content": "socket turn 2"}, *response.output]
-    with client.responses.connect() as conn:
+    with client.responses.connect(websocket_connection_options=OPEN) as conn:
         conn.response.create(model=MODEL, input=[*history, {"role": "user", "content": "socket turn 3"}])
         ids.append(final(conn).id)
     return {"ids": ids}
@@ -60,7 +62,8 @@ def lanes(client: openai.AsyncOpenAI) -> dict:
     """Two conversations on one socket's lanes, each turn of both at once."""
     async def run() -> dict:
         ids: dict[str, list[str]] = {"a": [], "b": []}
-        async with client.responses.connect() as conn, AsyncResponsesWebSocketSession(conn, limits=LIMITS) as session:
+        async with client.responses.connect(websocket_connection_options=OPEN) as conn, \
+                AsyncResponsesWebSocketSession(conn, limits=LIMITS) as session:
             lane = {name: session.lane(name) for name in ids}
             for n in range(3):
                 for name in ids:
@@ -76,7 +79,7 @@ def lanes(client: openai.AsyncOpenAI) -> dict:
 def steer(client: openai.OpenAI) -> dict:
     """A response steered while it streams: the server ends it and makes a successor; the client goes on from
     the successor."""
-    with client.responses.connect() as conn:
+    with client.responses.connect(websocket_connection_options=OPEN) as conn:
         conn.response.create(model=MODEL, input="a long answer, please", store=False)
         events = iter(conn)
         steered = next(e for e in events if e.type == "response.created").response.id
@@ -94,7 +97,7 @@ def steer(client: openai.OpenAI) -> dict:
 
 def in_flight(client: openai.OpenAI) -> dict:
     """A second response.create while the first still streams: refused; the first's answer goes on."""
-    with client.responses.connect() as conn:
+    with client.responses.connect(websocket_connection_options=OPEN) as conn:
         conn.response.create(model=MODEL, input="the first", store=False)
         events = iter(conn)
         first = next(e for e in events if e.type == "response.created").response.id
@@ -118,7 +121,7 @@ def warm_up(client: openai.OpenAI) -> dict:
     developer = {"role": "developer", "content": "You are a coding agent."}
     ids, history = [], []
     for n in range(2):
-        with client.responses.connect() as conn:
+        with client.responses.connect(websocket_connection_options=OPEN) as conn:
             conn.response.create(model=MODEL, input=[developer], generate=False, store=False)
             warm = final(conn).id
             history.append({"role": "user", "content": f"session turn {n}"})
