@@ -1,7 +1,8 @@
 """WebSocket mode on the emulator's HTTP port, driven by openai-python's own
 ``responses.connect()`` client and by a raw websockets client for the exact
 frames: the socket's memory of its latest response, hydration from storage,
-eviction, one response at a time, the lifetime limit, refusals and faults."""
+eviction, one response at a time per lane, lanes, steering, the lifetime limit,
+refusals and faults."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from stateful_responses.emulator import Emulator
 from websockets.exceptions import ConnectionClosed, ConnectionClosedError, InvalidStatus
 
 TERMINAL = ("response.completed", "response.failed", "response.incomplete", "error")
+# the first turn falls silent after its response.created until the socket's next message
+UNTIL_THE_NEXT_MESSAGE = {"kind": "ws_stall", "after_events": 1, "ms": 30_000, "until_message": True}
 
 
 def sdk(emu, key: str = "sk-a") -> openai.OpenAI:
@@ -509,3 +512,64 @@ def test_stopping_the_emulator_closes_open_sockets():
         emu.stop()
     with pytest.raises(ConnectionClosed):
         ws.recv(timeout=5)
+
+
+# -- lanes and steering (openai-python 3.60's stream_id and response.steer) ------------------------------------
+
+
+def until_terminals(ws, count: int) -> list[dict]:
+    """Every event up to ``count`` terminal ones."""
+    received: list[dict] = []
+    while sum(e["type"] in TERMINAL for e in received) < count:
+        received.append(json.loads(ws.recv(timeout=10)))
+    return received
+
+
+def test_lanes_run_at_once_each_event_naming_its_lane_and_a_busy_lane_refuses(emulator):
+    emulator.model.control({"fail_next": [UNTIL_THE_NEXT_MESSAGE], "ws_busy_code": "response_already_in_flight"})
+    with raw_socket(emulator) as ws:
+        ws.send(json.dumps({"type": "response.create", "model": "m", "input": "a", "stream_id": "a"}))
+        assert json.loads(ws.recv(timeout=10))["type"] == "response.created"  # then lane a falls silent
+        ws.send(json.dumps({"type": "response.create", "model": "m", "input": "b", "stream_id": "b"}))
+        events = until_terminals(ws, 2)  # lane b started while lane a ran
+        ended = {e["stream_id"]: e["response"] for e in events if e["type"] in TERMINAL}
+        ws.send(json.dumps({"type": "response.create", "model": "m", "input": "a2", "stream_id": "a",
+                            "previous_response_id": ended["b"]["id"]}))  # a fork of b's, on lane a
+        forked = until_terminals(ws, 1)
+    assert {e["stream_id"] for e in events} == {"a", "b"}
+    assert ended["a"]["status"] == ended["b"]["status"] == "completed"
+    assert [e["stream_id"] for e in forked] == ["a"] * len(forked) and forked[-1]["type"] == "response.completed"
+    log = socket_records(emulator)
+    assert [(r["stream_id"], r["continued"]) for r in log] == [("a", False), ("b", False), ("a", True)]
+
+    emulator.model.control({"fail_next": [UNTIL_THE_NEXT_MESSAGE]})
+    with raw_socket(emulator) as ws:  # the default lane: no stream_id
+        ws.send(json.dumps({"type": "response.create", "model": "m", "input": "x"}))
+        assert json.loads(ws.recv(timeout=10))["type"] == "response.created"
+        ws.send(json.dumps({"type": "response.create", "model": "m", "input": "too early"}))
+        refusal = next(e for e in until_terminals(ws, 2) if e["type"] == "error")
+    assert refusal["error"]["code"] == "response_already_in_flight" and "stream_id" not in refusal
+
+
+def test_steering_ends_the_response_and_makes_its_successor(emulator):
+    emulator.model.control({"fail_next": [UNTIL_THE_NEXT_MESSAGE]})
+    with raw_socket(emulator) as ws:
+        ws.send(json.dumps({"type": "response.create", "model": "m", "input": "go", "stream_id": "s",
+                            "instructions": "Be terse.", "store": False}))
+        steered = json.loads(ws.recv(timeout=10))["response"]["id"]
+        ws.send(json.dumps({"type": "response.steer", "previous_response_id": steered, "input": "and this"}))
+        events = until_terminals(ws, 2)
+        ws.send(json.dumps({"type": "response.steer", "previous_response_id": steered, "input": "late"}))
+        failed = json.loads(ws.recv(timeout=10))
+    accepted = events[0]
+    assert accepted["type"] == "response.steer.accepted" and accepted["stream_id"] == "s"
+    assert accepted["steer"]["previous_response_id"] == steered and accepted["steer"]["id"].startswith("steer_")
+    ended = next(e for e in events if e["type"] == "response.incomplete")["response"]
+    assert ended["id"] == steered and ended["incomplete_details"] == {"reason": "steered"} and ended["output"]
+    successor = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed" and successor["previous_response_id"] == steered
+    assert successor["instructions"] == "Be terse." and all(e["stream_id"] == "s" for e in events)
+    log = socket_records(emulator)
+    assert log[1]["continued"] and log[1]["context"] == [*log[0]["context"], *ended["output"],
+                                                        {"role": "user", "content": "and this"}]
+    assert failed["type"] == "response.steer.failed" and failed["error"]["code"] == "response_not_active"

@@ -299,3 +299,18 @@ def test_a_turns_records_and_its_chains_tip_share_their_credentials_shard_and_an
     replica.resolve(turn, {k: v for k, v in store[replica.table_of(turn)].items() if k in turn.unresolved})
     replica.learn_tips(turn, {k: v for k, v in store[CHAIN_TIPS].items() if k in replica.unknown_tips(turn)})
     assert (turn.previous.turn_id, turn.chain_id, turn.fork) == (first.turn_id, first.chain_id, False)
+
+
+def test_a_whole_history_resent_after_turns_continued_by_id_continues_the_last_of_them():
+    index = ChainIndex()
+    body = {"model": "m", "input": [user("one")]}
+    first = answered(index, begin(index, "openai-responses", body), "openai-responses",
+                     {"id": "resp_a", "status": "completed", "output": [said("a", "msg_a")]})
+    by_id = answered(index, begin(index, "openai-responses", {"model": "m", "input": [user("two")],
+                                                                "previous_response_id": "resp_a"}),
+                     "openai-responses", {"id": "resp_b", "status": "completed", "output": [said("b", "msg_b")]})
+    whole = [user("one"), said("a", "msg_a"), user("two"), said("b", "msg_b"), user("three")]
+    resent = begin(index, "openai-responses", {"model": "m", "input": whole})
+    assert by_id.previous is not None and by_id.previous.turn_id == first.turn_id
+    assert resent.previous is not None and resent.previous.turn_id == by_id.turn_id
+    assert resent.chain_id == first.chain_id and not resent.fork

@@ -40,7 +40,9 @@ CREDENTIAL_HEADERS = (
 # Cloudflare AI Gateway's cf-aig-authorization, Helicone-Auth): a header named
 # like a credential is one. An idempotency key names a request, not a tenant;
 # cookies are left out (services rotate theirs, Cloudflare's every 30 minutes,
-# and a chain recorded under one would be lost under the next).
+# and a chain recorded under one would be lost under the next). A WebSocket
+# handshake's headers (Sec-WebSocket-Key, a fresh nonce on every upgrade) name
+# a socket, not a tenant.
 _NAMED_LIKE_A_CREDENTIAL = re.compile(r"auth|key|token|secret|password|subscription")
 
 
@@ -50,7 +52,8 @@ def is_credential_header(name: str) -> bool:
 
 
 def _named_like_a_credential(name: str) -> bool:
-    return _NAMED_LIKE_A_CREDENTIAL.search(name) is not None and "idempotency" not in name
+    return _NAMED_LIKE_A_CREDENTIAL.search(name) is not None and "idempotency" not in name \
+        and not name.startswith("sec-websocket-")
 
 
 def credential_material(request: Request) -> bytes:

@@ -203,12 +203,11 @@ def websocket_connection_limit_reached() -> APIError:
                          " connection to continue.", code="websocket_connection_limit_reached")
 
 
-def response_in_progress(response_id: str) -> APIError:
-    """A ``response.create`` while the socket's turn runs. The wording is the
+def response_in_progress(response_id: str, code: str = "conversation_already_has_active_response") -> APIError:
+    """A ``response.create`` while its lane's turn runs. The wording is the
     Realtime API's for the same refusal; the Responses API's is not published."""
     return APIError(400, f"Conversation already has an active response in progress: {response_id}. Wait until the"
-                         " response is finished before creating a new one.",
-                    code="conversation_already_has_active_response")
+                         " response is finished before creating a new one.", code=code)
 
 
 def background_over_websocket() -> APIError:

@@ -90,6 +90,8 @@ class Faults:
     websocket: str | None = None  # "refuse": upgrades get 404, as without the mode; "unavailable": 503
     numbered_ids: bool = False  # output item ids numbered from 1 in every response (a server's counter restarted)
     ws_lifetime_s: float = 3600  # a socket's lifetime, after which response.create is refused
+    # the code of a response.create refused while its lane runs a response ("response_already_in_flight": a gateway's)
+    ws_busy_code: str = "conversation_already_has_active_response"
     next: list[dict] = field(default_factory=list)  # one-shot faults, FIFO
 
     def take(self, continued: bool, protocol: str = RESPONSES, kinds: frozenset[str] | None = None,
@@ -111,7 +113,7 @@ class Faults:
 
 SETTABLE = ("stateless", "ignore_previous", "conversations", "echo_store", "echo_previous", "input_items",
             "refuse_store", "forget_probability", "slow_ms", "think_ms", "gzip", "background_delay_ms",
-            "read_rate_bytes_per_s", "websocket", "ws_lifetime_s", "numbered_ids")
+            "read_rate_bytes_per_s", "websocket", "ws_lifetime_s", "numbered_ids", "ws_busy_code")
 
 
 _SOCKET_NUMBERS = itertools.count(1)
@@ -120,15 +122,15 @@ _SOCKET_NUMBERS = itertools.count(1)
 @dataclass
 class SocketSession:
     """One WebSocket's state: the credential of its upgrade, its number (the
-    log's ``socket``), when it opened, its most recent response (kept in memory:
-    the connection-local cache), and whether a turn is running on it (one
-    response at a time)."""
+    log's ``socket``), when it opened, and per lane (``stream_id``; None: the
+    default lane) its most recent response (kept in memory: the
+    connection-local cache) and the response running on it (one at a time)."""
 
     credential: str
     number: int = field(default_factory=lambda: next(_SOCKET_NUMBERS))
     opened: float = field(default_factory=time.monotonic)
-    latest: StoredResponse | None = None
-    running: str | None = None  # the id of the response whose events the socket is sending
+    latest: dict[Any, StoredResponse] = field(default_factory=dict)
+    running: dict[Any, str] = field(default_factory=dict)  # lane -> the response whose events it is sending
 
 
 class ResponsesModel:
@@ -230,8 +232,10 @@ class ResponsesModel:
             return answer
 
     def _create_on_socket(self, socket: SocketSession, message: Any, record: dict) -> tuple[dict, dict | None]:
-        if socket.running is not None:
-            raise errors.response_in_progress(socket.running)
+        lane = message.get("stream_id") if isinstance(message, dict) else None
+        record["stream_id"] = lane
+        if (running := socket.running.get(lane)) is not None:
+            raise errors.response_in_progress(running, self.faults.ws_busy_code)
         try:
             if not isinstance(message, dict):
                 raise errors.unparsable_json()
@@ -239,14 +243,22 @@ class ResponsesModel:
                 raise errors.unknown_client_event(message.get("type"))
             if time.monotonic() - socket.opened >= self.faults.ws_lifetime_s:
                 raise errors.websocket_connection_limit_reached()
-            body = {key: value for key, value in message.items() if key != "type"}
-            return self._create(socket.credential, body, record, socket)
+            body = {key: value for key, value in message.items() if key not in ("type", "stream_id")}
+            return self._create(socket.credential, body, record, socket, lane)
         except APIError:
-            socket.latest = None
+            socket.latest.pop(lane, None)
             raise
 
+    def steered(self, response: dict) -> None:
+        """A response that steering ended, at its output's end: incomplete
+        (``steered``), yet still its lane's latest and continuable, stored as
+        such when it was stored: the server's successor continues from it."""
+        with self._lock:
+            response["status"] = "incomplete"
+            response["incomplete_details"] = {"reason": "steered"}
+
     def _create(self, credential: str, body: Any, record: dict,
-                socket: SocketSession | None = None) -> tuple[dict, dict | None]:
+                socket: SocketSession | None = None, lane: Any = None) -> tuple[dict, dict | None]:
         if not credential:
             raise errors.missing_api_key()
         if not isinstance(body, dict):
@@ -279,7 +291,7 @@ class ResponsesModel:
             if f.stateless != "ignore" and not f.ignore_previous:
                 parent = self._parent(credential, previous, socket, store)
         if socket is not None:
-            record["hydrated"] = parent is not None and parent is not socket.latest
+            record["hydrated"] = parent is not None and all(parent is not r for r in socket.latest.values())
         items, references = self._resolve_references(credential, items, store is not False)
         if self.faults.stateless is None:
             _refuse_duplicates(items, conversation.items if conversation else [])
@@ -324,8 +336,10 @@ class ResponsesModel:
         keep = self._stores(store) and completed
         if self._stores(store):
             self._store.put(credential, StoredResponse(response, context + response["output"], listed, keep))
-        if socket is not None:  # the socket remembers its latest response, stored or not, if it completed
-            socket.latest = StoredResponse(response, context + response["output"], listed, True) if completed else None
+        if socket is not None and completed:  # the lane remembers its latest response, stored or not, if it completed
+            socket.latest[lane] = StoredResponse(response, context + response["output"], listed, True)
+        elif socket is not None:
+            socket.latest.pop(lane, None)
         _append_completed(conversation, own_items, response)
         record.update(stored=keep, output=response["output"])
         return response, fault
@@ -362,8 +376,9 @@ class ResponsesModel:
         """The response ``previous`` names: a socket's most recent one from the
         socket's memory; otherwise a continuable stored one, which a socket
         reads (hydrates) only for a request with ``store`` not false."""
-        if socket is not None and socket.latest is not None and socket.latest.response["id"] == previous:
-            return socket.latest
+        if socket is not None and (cached := next((r for r in socket.latest.values()
+                                                    if r.response["id"] == previous), None)) is not None:
+            return cached  # the connection-local cache: any lane's latest (a fork on another lane)
         if socket is not None and store is False:
             raise errors.previous_response_not_found(previous)
         stored = self._store.get(credential, previous)

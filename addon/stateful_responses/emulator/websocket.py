@@ -17,6 +17,7 @@ socket. Extensions (permessage-deflate) are declined, as a server may.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import queue
 import socket
@@ -51,9 +52,11 @@ def error_event(error: APIError) -> dict:
 
 class ResponsesSocket:
     """One upgraded connection. A reader thread turns frames into messages on a
-    queue; the handler's thread answers them a turn at a time, and meanwhile
-    answers each message that arrives while the turn runs (the API refuses a
-    second ``response.create`` on a busy socket)."""
+    queue; the handler's thread takes them in order and starts each accepted
+    turn on a thread of its own, so that lanes (``stream_id``) run at once; a
+    ``response.create`` on a lane still running a response is refused at once
+    (the model's rule), and ``response.steer`` queues input for the
+    successor of the response it names."""
 
     def __init__(self, model: ResponsesModel, connection: socket.socket, rfile: Any, credential: str) -> None:
         self.model = model
@@ -63,6 +66,12 @@ class ResponsesSocket:
         self._ws = WSConnection(ConnectionType.SERVER)
         self._lock = threading.Lock()  # the wsproto state and the socket's writes, shared with the reader
         self._messages: queue.Queue[bytes | None] = queue.Queue()  # None: no more will come
+        self._closed = threading.Event()  # the client went away: every running turn stops
+        self._signal = threading.Condition()  # notified on each message taken and when the client goes away
+        self._received = 0  # messages taken so far
+        self._turns: list[threading.Thread] = []
+        self._steers: dict[str, list] = {}  # a running response's id -> the steering input accepted for it
+        self._steer_ids = itertools.count(1)
 
     def handshake(self, path: str, headers: list[tuple[bytes, bytes]]) -> bool:
         """Answer the upgrade request the HTTP handler has read: 101, or the
@@ -86,11 +95,16 @@ class ResponsesSocket:
         reader.start()
         try:
             while (message := self._messages.get()) is not None:
-                self._turn(message)
+                self._dispatch(message)
         except (OSError, LocalProtocolError):
-            pass  # the client went away mid-turn: nothing is left to answer
+            pass  # the client went away: nothing is left to answer
         finally:
+            self._closed.set()
+            with self._signal:
+                self._signal.notify_all()
             self.close()
+            for turn in self._turns:
+                turn.join()
             reader.join()
 
     def close(self) -> None:
@@ -102,56 +116,127 @@ class ResponsesSocket:
 
     # -- a turn ----------------------------------------------------------------
 
-    def _turn(self, message: bytes) -> None:
-        """One client message: the model's answer to it, sent as events paced
-        by ``think_ms`` and ``slow_ms`` as over HTTP, or one ``error`` event,
-        sent at once (a refused message never reaches the model). The
-        ``ws_stall`` fault is a silence of the turn's (pings still answered)."""
+    def _dispatch(self, message: bytes) -> None:
+        """One client message: steering, or a ``response.create`` answered by
+        the model, whose events a thread of the turn's own sends; a refused
+        message is one ``error`` event, sent at once (it never reaches the
+        model), naming its lane."""
+        with self._signal:
+            self._received += 1
+            self._signal.notify_all()
         body = _parsed(message)
+        if isinstance(body, dict) and body.get("type") == "response.steer":
+            self._steer(body)
+            return
+        lane = body.get("stream_id") if isinstance(body, dict) else None
         try:
             response, fault = self.model.create_on_socket(self.session, body, len(message),
                                                           hashlib.sha256(message).hexdigest())
         except APIError as e:
-            self._send_json(error_event(e))
+            self._send_json(_on_lane(error_event(e), lane))
             return
-        fault = fault or {}
+        self.session.running[lane] = response["id"]
+        self._turns = [t for t in self._turns if t.is_alive()]
+        turn = threading.Thread(target=self._turn, args=(body, response, fault or {}, lane),
+                                name="responses-websocket-turn", daemon=True)
+        self._turns.append(turn)
+        turn.start()
+
+    def _turn(self, body: dict, response: dict, fault: dict, lane: Any) -> None:
+        """A response's events, paced by ``think_ms`` and ``slow_ms`` as over
+        HTTP; the ``ws_stall`` fault is a silence of the turn's (pings still
+        answered). Steering accepted meanwhile ends it at its output's end
+        (``response.incomplete``, ``steered``) and starts its successor."""
+        try:
+            while (after := self._events(body, response, fault, lane)) is not None:
+                response, fault = after, {}
+        except (ClientGone, OSError, LocalProtocolError):
+            pass  # the client went away mid-turn: nothing is left to answer
+        finally:
+            if self.session.running.get(lane) == response["id"]:  # not the lane's next response already
+                self.session.running.pop(lane, None)
+
+    def _events(self, body: dict, response: dict, fault: dict, lane: Any) -> dict | None:
+        """Send one response's events; its successor's, if steering made one."""
         kind = fault.get("kind")
         if kind == "stream_error":
             events = error_events(response, errors.STREAM_ERROR)
         else:
             events = sse_events(response, fault.get("terminal_event"), obfuscation=wants_obfuscation(body))
-        self.session.running = response["id"]
-        try:
-            self._pause(self.model.faults.think_ms)
-            sent: list[str] = []
-            for n, event in enumerate(events):
-                if kind == "ws_close" and n >= fault.get("after_events", 0):
-                    self._drop(fault.get("code"))
-                    return
-                if kind == "ws_stall" and n == fault.get("after_events", 0):
-                    self._pause(fault.get("ms", STALL_MS))
-                sent.append(self._send_json(event))
-                self.model.record_messages(response["id"], sent)
-                if n < len(events) - 1:  # after the terminal event the response is done: the next may start
-                    self._pause(self.model.faults.slow_ms)
-            if kind == "ws_stall" and fault.get("after_events", 0) >= len(events):
-                self._pause(fault.get("ms", STALL_MS))  # its events are all sent, yet the turn still runs
-        finally:
-            self.session.running = None
+        received = self._received  # a stall that ends on a message ends on one after the turn began
+        self._pause(self.model.faults.think_ms)
+        sent: list[str] = []
+        for n, event in enumerate(events):
+            if kind == "ws_close" and n >= fault.get("after_events", 0):
+                self._drop(fault.get("code"))
+                return None
+            if kind == "ws_stall" and n == fault.get("after_events", 0):
+                self._pause(fault.get("ms", STALL_MS), received if fault.get("until_message") else None)
+            if n == len(events) - 1 and (steering := self._steers.pop(response["id"], None)) is not None:
+                return self._steered(body, response, event, sent, steering, lane)
+            if n == len(events) - 1 and not (kind == "ws_stall" and fault.get("after_events", 0) >= len(events)):
+                self.session.running.pop(lane, None)  # done once its terminal event is out: the next may start
+            sent.append(self._send_json(_on_lane(event, lane)))
+            self.model.record_messages(response["id"], sent)
+            if n < len(events) - 1:  # after the terminal event the response is done: the next may start
+                self._pause(self.model.faults.slow_ms)
+        if kind == "ws_stall" and fault.get("after_events", 0) >= len(events):
+            self._pause(fault.get("ms", STALL_MS))  # its events are all sent, yet the turn still runs
+        return None
 
-    def _pause(self, ms: float) -> None:
-        """Wait ``ms`` while answering each message that arrives meanwhile: a
-        turn is running, so the model refuses every one of them at once."""
+    def _steered(self, body: dict, response: dict, terminal: dict, sent: list[str], steering: list,
+                 lane: Any) -> dict | None:
+        """End a steered response (``response.incomplete``, ``steered``) and
+        create its successor: the response's settings, continued from it with
+        the steering input (the successor's ``response.created`` commits it)."""
+        self.model.steered(response)
+        self.session.running.pop(lane, None)
+        sent.append(self._send_json(_on_lane({"type": "response.incomplete", "response": response,
+                                              "sequence_number": terminal.get("sequence_number")}, lane)))
+        self.model.record_messages(response["id"], sent)
+        successor = {key: value for key, value in body.items() if key not in ("input", "previous_response_id")}
+        successor.update(input=steering, previous_response_id=response["id"])
+        message = json.dumps(successor).encode()
+        try:
+            after, _ = self.model.create_on_socket(self.session, successor, len(message),
+                                                   hashlib.sha256(message).hexdigest())
+        except APIError as e:
+            self._send_json(_on_lane(error_event(e), lane))
+            return None
+        self.session.running[lane] = after["id"]
+        body.clear()
+        body.update(successor)
+        return after
+
+    def _steer(self, body: dict) -> None:
+        """``response.steer``: accepted for a response still running (it ends
+        at its output's end and a successor takes the input), else failed."""
+        target, steering = body.get("previous_response_id"), body.get("input")
+        lanes = [lane for lane, running in self.session.running.items() if running == target]
+        items = [{"role": "user", "content": steering}] if isinstance(steering, str) else steering
+        if not lanes or not isinstance(items, list) or not items:
+            code = "invalid_input" if lanes else "response_not_active"
+            self._send_json({"type": "response.steer.failed", "sequence_number": 0,
+                             "steer": {"input": steering, "previous_response_id": target},
+                             "error": {"type": "invalid_request_error", "code": code,
+                                       "message": "The steering input is not valid." if lanes
+                                       else "The response is no longer accepting steering input."}})
+            return
+        self._steers.setdefault(target, []).extend(items)
+        self._send_json(_on_lane({"type": "response.steer.accepted", "sequence_number": 0,
+                                  "steer": {"id": f"steer_{next(self._steer_ids)}", "previous_response_id": target}},
+                                 lanes[0]))
+
+    def _pause(self, ms: float, received: int | None = None) -> None:
+        """Wait ``ms``, or until the client goes away; given ``received``, only
+        until a message beyond that many arrives."""
         deadline = time.monotonic() + ms / 1000
-        while True:
-            try:
-                message = self._messages.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                return
-            if message is None:
-                self._messages.put(None)  # for the serving loop, once this turn gives up
-                raise ClientGone
-            self._turn(message)
+        with self._signal:
+            while not self._closed.is_set() and (received is None or self._received == received) \
+                    and (remaining := deadline - time.monotonic()) > 0:
+                self._signal.wait(remaining)
+        if self._closed.is_set():
+            raise ClientGone
 
     def _drop(self, code: int | None) -> None:
         """The ``ws_close`` fault: a close frame with ``code``, or, without one,
@@ -203,6 +288,11 @@ class ResponsesSocket:
             pass
         finally:
             self._messages.put(None)
+
+
+def _on_lane(event: dict, lane: Any) -> dict:
+    """An event as a lane sends it: naming its ``stream_id`` (the default lane names none)."""
+    return event if lane is None else {**event, "stream_id": lane}
 
 
 def _parsed(message: bytes) -> Any:

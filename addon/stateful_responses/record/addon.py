@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import msgspec
 from mitmproxy import ctx, http
 
+from ..bounded import Bounded
 from ..counters import Counters
 from ..flows import (
     AUDIT,
@@ -88,27 +89,78 @@ class RecordFile:
                 logger.warning("stateful-responses: cannot append to the record file (%s)", e.strerror)
 
 
-class _Type(msgspec.Struct):
+class _Error(msgspec.Struct):
+    code: object = None
+
+
+class _Message(msgspec.Struct):
+    """What the record reads of a WebSocket message: its type, its lane, whether
+    it is part of a response's stream, and an error's code."""
+
     type: object = None
+    stream_id: object = None
+    sequence_number: object = None
+    error: _Error | None = None
+    previous_response_id: object = None  # a response.steer's target
 
 
-def _message_type(content: bytes) -> object:
+class _Created(msgspec.Struct):
+    id: object = None
+    model: object = None
+    previous_response_id: object = None
+
+
+class _CreatedEvent(msgspec.Struct):
+    response: _Created | None = None
+
+
+class _Steer(msgspec.Struct):
+    input: object = None
+
+
+def _message(content: bytes) -> _Message:
+    """The message read; a lane or a target that is not a string reads as none."""
     try:
-        return msgspec.json.decode(content, type=_Type).type
+        message = msgspec.json.decode(content, type=_Message)
     except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
+        return _Message()
+    if not isinstance(message.stream_id, str):
+        message.stream_id = None
+    if not isinstance(message.previous_response_id, str):
+        message.previous_response_id = None
+    return message
+
+
+# A socket's refusal of a ``response.create`` because a response still runs on its lane: the refused request is
+# not the one running.
+BUSY_ERRORS = frozenset({"response_already_in_flight", "conversation_already_has_active_response"})
+SOCKET_MEMORY = 64  # response ids (and their lanes) a socket's record remembers
+
+
+@dataclass(eq=False)
+class _SocketTurn:
+    turn: Turn
+    lifter: AnswerLifter
+    n: int  # its place on the socket
+    lane: object  # the ``stream_id`` of its lane (None: the default lane)
+    started: bool = False  # its ``response.created`` came
 
 
 @dataclass
 class _SocketTurns:
     """A client's own WebSocket to a Responses endpoint: its ``response.create``
-    turns still unanswered, oldest first (one runs at a time; the events that
-    come back belong to the oldest)."""
+    turns still unanswered, oldest first. A lane (``stream_id``) runs one
+    response at a time; events name their lane and belong to its oldest
+    started turn. Steering input waits, per lane, for the successor response
+    the server makes with it."""
 
     credential: bytes
     upstream: str
     count: int = 0
-    open: list[tuple[Turn, AnswerLifter, int]] = field(default_factory=list)
+    open: list[_SocketTurn] = field(default_factory=list)
+    lanes: Bounded = field(default_factory=lambda: Bounded(SOCKET_MEMORY))  # response id -> its lane
+    latest: dict = field(default_factory=dict)  # lane -> (its latest response id, model)
+    steers: dict = field(default_factory=dict)  # lane -> the steering input accepted for its next successor
 
 
 class ContinuationRecord:
@@ -208,26 +260,43 @@ class ContinuationRecord:
             if message.from_client:
                 await self._socket_request(flow, message.content)
             else:
-                self._socket_event(flow, message.content)
+                await self._socket_event(flow, message.content)
         except Exception:
             internal_error(self.counters, "recording a WebSocket turn")
 
     def websocket_end(self, flow: http.HTTPFlow) -> None:
         sockets = self._sockets.pop(flow)
-        for turn, _, n in sockets.open if sockets is not None else ():
+        for entry in sockets.open if sockets is not None else ():
             try:
-                self._finish_socket_turn(flow, turn, None, n)
+                self._finish_socket_turn(flow, entry.turn, None, entry.n)
             except Exception:
                 internal_error(self.counters, "recording a WebSocket turn")
 
-    async def _socket_request(self, flow: http.HTTPFlow, content: bytes) -> None:
-        if _message_type(content) != "response.create":
-            return
-        await self.state.ready()
+    def _socket(self, flow: http.HTTPFlow) -> _SocketTurns:
         sockets = self._sockets.get(flow)
         if sockets is None:
             sockets = _SocketTurns(credential_material(request_of(flow)), _upstream(flow))
             self._sockets.put(flow, sockets)
+        return sockets
+
+    async def _socket_request(self, flow: http.HTTPFlow, content: bytes) -> None:
+        message = _message(content)
+        if message.type == "response.steer":
+            sockets = self._socket(flow)
+            lane = sockets.lanes.get(message.previous_response_id, None)
+            steer = msgspec.json.decode(content, type=_Steer).input
+            steered = sockets.steers.setdefault(lane, [])
+            steered += steer if isinstance(steer, list) else [{"role": "user", "content": steer}] if steer else []
+            del steered[:-SOCKET_MEMORY]
+            return
+        if message.type != "response.create":
+            return
+        await self.state.ready()
+        sockets = self._socket(flow)
+        await self._begin_socket_turn(flow, sockets, content, message.stream_id)
+
+    async def _begin_socket_turn(self, flow: http.HTTPFlow, sockets: _SocketTurns, content: bytes, lane: object,
+                                 started: bool = False) -> _SocketTurn | None:
         lifted = lift_request("openai-responses", flow.request.url, content)
         try:
             turn = None if lifted is None else self.index.begin(
@@ -236,29 +305,74 @@ class ContinuationRecord:
         except (Ambiguous, RecursionError):
             turn = None
         if turn is None:
-            return
+            return None
         if turn.unresolved:
             self.index.resolve(turn, await self.state.get(self.index.table_of(turn), turn.unresolved))
         if chains := self.index.unknown_tips(turn):
             self.index.learn_tips(turn, await self.state.get(CHAIN_TIPS, chains))
         self.index.claim(turn)
         self.state.flush()
-        sockets.open.append((turn, AnswerLifter(turn.protocol), sockets.count))
+        entry = _SocketTurn(turn, AnswerLifter(turn.protocol), sockets.count, lane, started)
+        sockets.open.append(entry)
         sockets.count += 1
         flow.metadata[CONTINUATION] = turn.record()
         flow.metadata[AUDIT] = {"protocolMapping": turn.audit()}
         flow.comment = chain_tag(turn.chain_id)
+        return entry
 
-    def _socket_event(self, flow: http.HTTPFlow, content: bytes) -> None:
+    async def _socket_event(self, flow: http.HTTPFlow, content: bytes) -> None:
         sockets = self._sockets.get(flow)
-        if sockets is None or not sockets.open:
+        if sockets is None:
             return
-        turn, lifter, n = sockets.open[0]
-        kind = _message_type(content)
-        lifter.event(kind if isinstance(kind, str) else "", content.decode("utf-8", "replace"))
+        message = _message(content)
+        kind, lane = message.type, message.stream_id
+        if not isinstance(kind, str) or kind.startswith("response.steer."):
+            if kind == "response.steer.failed":
+                sockets.steers.pop(lane, None)  # given back to the client, which sends it again itself
+            return
+        on_lane = [t for t in sockets.open if t.lane == lane]
+        waiting = [t for t in on_lane if not t.started]
+        if kind == "error" and message.sequence_number is None:  # a request refused, not a stream that broke
+            busy = message.error is not None and message.error.code in BUSY_ERRORS
+            candidates = [t for t in on_lane[1:] if not t.started] if busy else waiting
+            entry = candidates[0] if candidates else on_lane[0] if on_lane else None
+        elif kind == "response.created":
+            entry = waiting[0] if waiting else await self._successor(flow, sockets, content, lane)
+        else:
+            entry = next((t for t in on_lane if t.started), on_lane[0] if on_lane else None)
+        if entry is None:
+            return
+        if kind == "response.created":
+            entry.started = True
+            created = msgspec.json.decode(content, type=_CreatedEvent).response
+            if created is not None and isinstance(created.id, str):
+                sockets.lanes.put(created.id, lane)
+                sockets.latest[lane] = (created.id, created.model)
+        entry.lifter.event(kind, content.decode("utf-8", "replace"))
         if kind in TERMINAL_EVENTS:
-            sockets.open.pop(0)
-            self._finish_socket_turn(flow, turn, lifter.finish(), n)
+            sockets.open.remove(entry)
+            self._finish_socket_turn(flow, entry.turn, entry.lifter.finish(), entry.n)
+
+    async def _successor(self, flow: http.HTTPFlow, sockets: _SocketTurns, content: bytes,
+                         lane: object) -> _SocketTurn | None:
+        """A response the server made on its own, after the lane's latest one
+        (steering): a turn continuing that one by id, with the steering input
+        the lane had waiting as its input."""
+        created = msgspec.json.decode(content, type=_CreatedEvent).response
+        latest_id, model = sockets.latest.get(lane, (None, None))
+        parent = created.previous_response_id if created is not None else None
+        parent = parent if isinstance(parent, str) else latest_id
+        if parent is None:
+            return None  # nothing on the lane it could follow
+        if created is not None and isinstance(created.model, str):
+            model = created.model
+        body = {"model": model, "input": sockets.steers.pop(lane, []), "previous_response_id": parent}
+        entry = await self._begin_socket_turn(flow, sockets, msgspec.json.encode(body), lane, started=True)
+        if entry is not None:
+            entry.turn.changes.append(audit_entry(
+                "input", "preserved", f"a successor response the server made after {parent} on its own (steering): "
+                "its input is the steering input the server accepted for it", entry.turn.protocol, None))
+        return entry
 
     def _finish_socket_turn(self, flow: http.HTTPFlow, turn: Turn, answer: LiftedAnswer | None, n: int) -> None:
         self.index.finish(turn, answer)

@@ -64,6 +64,7 @@ DISPOSITIONS = ("preserved", "lossy", "dropped", "unsupported")
 CONTINUABLE = frozenset({"completed", "incomplete"})
 SAME_ENDING = 8  # turns kept per digest: identical conversations that are not one
 MAX_TAIL = 128  # items read back to find an answer whose calls have their outputs between them
+CONTEXTS = 8192  # turns whose whole conversation's hash memory keeps, for the turns continued from them by id
 
 
 class TurnRef(msgspec.Struct, array_like=True, frozen=True):
@@ -274,6 +275,8 @@ class ChainIndex:
     tips: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)  # chain id -> Tip
     attempts: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)  # attempt -> Attempt
     homes: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)  # turn id -> who answered it
+    # turn id -> blake3 over its root and its whole conversation, answer included (kept in memory only)
+    contexts: Bounded = field(default_factory=lambda: Bounded(CONTEXTS), repr=False)
     _outbox: Outbox = field(default_factory=Outbox, repr=False)
 
     tables = {CHAIN_TURNS: 1_000_000, CHAIN_RESPONSES: 1_000_000, CHAIN_TIPS: 1_000_000}
@@ -287,6 +290,7 @@ class ChainIndex:
         self.tips.clear()
         self.attempts.clear()
         self.homes.clear()
+        self.contexts.clear()
         self._outbox.clear()
 
     def begin(self, request: LiftedRequest, credential: bytes, secret: bytes, *, flow_id: str,
@@ -486,8 +490,10 @@ class ChainIndex:
                       len(answer.messages), tuple(answer.ids) if any(answer.ids) else (),
                       tuple(answer.pending_tool_calls), answer.paused)
         self.homes.put(turn.turn_id, turn.upstream)
-        if digests:
-            key = turn.answered_key(digests)
+        keys = [turn.answered_key(digests)] if digests else []
+        if (whole := self._whole_context(turn, digests)) is not None and digests:
+            keys += [key] if (key := turn.tagged(whole.digest(SEQUENCE_DIGEST_SIZE))) not in keys else []
+        for key in keys:
             refs = [r for r in self.turns.get(key, ()) if r.turn_id != turn.turn_id][1 - SAME_ENDING:] + [ref]
             self.turns.put(key, refs)
             self._outbox.append(Write(CHAIN_TURNS, key, _ENCODE(refs), self.config.ttl))
@@ -495,6 +501,26 @@ class ChainIndex:
         for key in keys + ([turn.conversation_key] if turn.conversation_key else []):
             self.responses.put(key, ref)
             self._outbox.append(Write(CHAIN_RESPONSES, key, _ENCODE(ref), self.config.ttl))
+
+    def _whole_context(self, turn: Turn, answer: list[bytes]) -> blake3 | None:
+        """The hash of the whole conversation up to the turn's answer, kept
+        for the turns continued from it by id: a turn continued by id sends
+        only its new items, and a client that resends the whole history
+        afterwards (a lost socket, a forgotten response) must still find it.
+        None when the turn it continues by id was not met here."""
+        if turn.conversation_key:
+            return None
+        if turn.request.previous_response_id:
+            before = self.contexts.hit(turn.previous.turn_id) if turn.previous is not None else None
+            if before is None:
+                return None
+            whole = before.copy()
+            whole.update(b"".join(turn.sequence.items))
+        else:
+            whole = turn.hashed.copy()
+        whole.update(b"".join(answer))
+        self.contexts.put(turn.turn_id, whole)
+        return whole
 
     def _settle_tip(self, turn: Turn) -> None:
         """A continuable answer holds its chain's tip, unless the chain went on
