@@ -54,7 +54,7 @@ def make_addons() -> list:
         conversation_emulation,  # before store emulation: it records the expanded body
         emulation,  # before forward mode: it plans the expanded body
         # before forward mode: a flow it takes is answered over an upstream WebSocket, never rewritten
-        WebSocketBridge(config, counters, tenancy, reader, upstreams, state, replays),
+        WebSocketBridge(config, counters, tenancy, reader, upstreams, state, replays, planner, proofs),
         forward,
         router.answers,  # fails over after the ones above learned from the failed answer
         record.answers,  # records what the client got, after every change

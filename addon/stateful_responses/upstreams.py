@@ -92,13 +92,15 @@ class Upstreams:
         expires = self._expires.get((kind, scope))
         return expires is not None and expires > self.config.clock()
 
-    def mark(self, kind: MarkKind, scope: str) -> bool:
-        """Set a mark; False when it was already set."""
+    def mark(self, kind: MarkKind, scope: str, period: float | None = None) -> bool:
+        """Set a mark for ``period`` seconds (the time to live of everything
+        remembered when None); False when it was already set."""
         if self.has(kind, scope):
             return False
-        expires = self.config.clock() + self.config.ttl
+        ttl = min(period, self.config.ttl) if period is not None else self.config.ttl
+        expires = self.config.clock() + ttl
         self._expires[(kind, scope)] = expires
-        self._outbox.append(Write(MARKS, _mark_key(kind, scope), struct.pack("!d", expires), self.config.ttl))
+        self._outbox.append(Write(MARKS, _mark_key(kind, scope), struct.pack("!d", expires), ttl))
         return True
 
     def load(self, records: Mapping[bytes, bytes]) -> None:

@@ -229,7 +229,8 @@ class _Handler(BaseHTTPRequestHandler):
         (websocket.py), unless refused with an HTTP status, as the API refuses
         an upgrade without a credential (401) and a server without the mode
         answers a GET on the path (404 ``Invalid URL``: the ``websocket``
-        fault ``refuse``; ``unavailable``: 503, a server that has it but not now)."""
+        fault ``refuse``; ``unavailable``: 503, a server that has it but not now;
+        ``close``: accepted and closed before any event, as LiteLLM's pass-through does)."""
         self.close_connection = True
         credential = self._credential()
         try:
@@ -247,6 +248,9 @@ class _Handler(BaseHTTPRequestHandler):
         headers = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in self.headers.items()]
         with self.server.serving(ws):
             if ws.handshake(self.path, headers):
+                if self.model.faults.websocket == "close":
+                    ws.close()  # accepted, then closed before any event
+                    return
                 ws.serve()
 
     def do_DELETE(self) -> None:
