@@ -92,10 +92,11 @@ def test_a_turn_moved_to_http_by_stream_large_bodies_is_continued_from_the_socke
     assert_context_preserved(conv.sent, creates(emulator))
 
 
+@pytest.mark.parametrize("emulate", ["off", "always"])
 @pytest.mark.parametrize("store", [None, False], ids=["stored", "store-false"])
-def test_a_socket_that_refuses_previous_response_id_costs_one_wasted_call(emulator, bridged, store):
+def test_a_socket_that_refuses_previous_response_id_costs_one_wasted_call(emulator, bridged, store, emulate):
     emulator.model.control({"websocket": "no_previous"})
-    proxy = bridged()
+    proxy = bridged("--set", f"stateful_emulate={emulate}")
     conv = Conversation(proxy.url, as_dicts=True, options={} if store is None else {"store": store})
     converse(conv, 6)
     conv.close()
@@ -141,3 +142,22 @@ def test_the_verdict_is_shared_with_a_replica(emulator, bridged, tmp_path):
     again.close()
     assert "ws: opening a socket" not in second.stop()
     assert Path(tmp_path / "shared.sqlite3").exists()
+
+
+def test_conversations_taking_turns_on_fewer_sockets_continue_from_their_stored_responses(emulator, bridged):
+    """Each turn takes a socket that remembers another conversation: its own stored response is hydrated there."""
+    proxy = bridged("--set", "stateful_upstream_websocket_max_sockets=1")
+    convs = [Conversation(proxy.url, as_dicts=True) for _ in range(3)]
+    for text in user_turns(3):
+        for n, conv in enumerate(convs):
+            conv.turn(f"conversation {n}, {text}")
+    for conv in convs:
+        conv.close()
+    log = answered(emulator)
+    assert all(r["transport"] == "websocket" for r in log) and len({r["socket"] for r in log}) == 1
+    assert sum(not r["continued"] for r in log) == len(convs)  # each conversation's first request only
+    assert all(r["input_items"] <= 2 for r in log if r["continued"])
+    assert any(r["hydrated"] for r in log)
+    for conv in convs:
+        mine = [r for r in log if r["context"][0] == conv.sent[0].body["input"][0]]
+        assert_context_preserved(conv.sent, mine)
