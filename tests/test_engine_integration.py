@@ -61,8 +61,13 @@ def test_after_a_restart_the_next_turn_is_continued_on_a_new_socket(emulator, br
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-def test_two_replicas_on_one_redis_continue_every_turn_after_the_first(emulator, bridged, redis_server, stream):
-    proxies = [bridged("--set", f"stateful_store={redis_server.url}") for _ in range(2)]
+@pytest.mark.parametrize("store", ["redis", "redis-cluster"])
+def test_two_replicas_sharing_redis_continue_every_turn_after_the_first(emulator, bridged, request, store, stream):
+    if store == "redis-cluster":  # each replica names another node of the cluster
+        specs = [master.url for master in request.getfixturevalue("redis_cluster").masters[:2]]
+    else:
+        specs = [request.getfixturevalue("redis_server").url] * 2
+    proxies = [bridged("--set", f"stateful_store={spec}") for spec in specs]
     client = Alternating(proxies, stream=stream)
     client.turns(user_turns(8))
     client.close()
