@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from stateful_responses.items import item_digest
-from stateful_responses.forward.planner import Planner
+from stateful_responses.continuation.planner import Planner
 from stateful_responses.request_reader import Request
 from stateful_responses.settings import Config, Settings
 
@@ -578,7 +578,7 @@ def test_unusual_whitespace_between_top_level_fields_is_not_ambiguous(ws):
 # -- what outlives the process -----------------------------------------
 
 def test_what_the_planner_learns_reaches_the_outbox_and_a_fresh_planner_continues_from_it():
-    from stateful_responses.forward.prefixes import ENTRIES, REFS, entries_found
+    from stateful_responses.continuation.prefixes import ENTRIES, REFS, entries_found
     from stateful_responses.upstreams import MARKS
 
     first, upstream = Planner(), ReferenceUpstream()
@@ -643,7 +643,7 @@ def test_entries_and_marks_expire():
 
 
 def test_an_unreadable_stored_record_is_ignored():
-    from stateful_responses.forward.prefixes import entries_found
+    from stateful_responses.continuation.prefixes import entries_found
 
     assert entries_found({b"k": b"\x00garbage", b"j": b""}) == {}
 
@@ -668,7 +668,7 @@ def test_an_item_reference_to_an_output_item_equals_that_item():
 
 
 def test_a_reference_the_store_resolves_after_a_restart():
-    from stateful_responses.forward.prefixes import ENTRIES, REFS, entries_found
+    from stateful_responses.continuation.prefixes import ENTRIES, REFS, entries_found
 
     first, upstream = Planner(), ReferenceUpstream()
     conv = [{"role": "user", "content": "x"}]

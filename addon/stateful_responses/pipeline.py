@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .counters import Counters
 from .forward.addon import ForwardMode
-from .forward.planner import Planner
+from .continuation.planner import Planner
 from .heap import FrozenStartupHeap
 from .options import Options
 from .proofs import Proofs

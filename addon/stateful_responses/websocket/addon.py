@@ -1,6 +1,6 @@
 """The WebSocket bridge's mitmproxy glue (``stateful_upstream_websocket``).
 
-A transport of forward mode's engine (``forward.planner``): the planner says
+A transport of forward mode's engine (``continuation.planner``): the planner says
 what the upstream holds of a request (a stored response proven readable, on
 any replica, before any restart), and every answer made over a socket is
 settled into it, as forward mode settles its HTTP answers.
@@ -48,8 +48,8 @@ from ..flows import (
     internal_error,
     request_of,
 )
-from ..forward.planner import Plan, Planner
-from ..forward.prefixes import ENTRIES, REFS, entries_found
+from ..continuation.planner import Plan, Planner
+from ..continuation.prefixes import ENTRIES, REFS, entries_found
 from ..proofs import Proofs
 from ..request_reader import Reader, Reading, upstream_of
 from ..replays import Replays, bad_gateway
