@@ -1,6 +1,7 @@
-"""Forward mode's planner: from a client's full-history request to a
-decision, and from an answer to what the prefix store learns. Pure: no
-mitmproxy, no I/O.
+"""The continuation engine's planner: from a client's full-history request
+to a decision, and from an answer to what the prefix store learns, whichever
+transport (HTTP, an upstream WebSocket) carries them. Pure: no mitmproxy, no
+I/O.
 
 The one invariant everything here serves: for every request, the upstream's
 context (its stored chain + the input we send) equals the client's input. A
@@ -99,8 +100,9 @@ _ABSENT = object()
 
 @dataclass
 class Planner:
-    """Forward mode's decisions; standalone (tests, benchmarks) it makes its
-    own shared pieces, in the proxy it is handed the ones every addon shares."""
+    """The engine's decisions, for every transport; standalone (tests,
+    benchmarks) it makes its own shared pieces, in the proxy it is handed the
+    ones every addon shares."""
 
     config: Config = field(default_factory=Config)
     counters: Counters = field(default_factory=Counters)
