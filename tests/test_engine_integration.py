@@ -166,3 +166,18 @@ def test_conversations_taking_turns_on_fewer_sockets_continue_from_their_stored_
     for conv in convs:
         mine = [r for r in log if r["context"][0] == conv.sent[0].body["input"][0]]
         assert_context_preserved(conv.sent, mine)
+
+
+def test_an_upgrade_never_answered_is_a_verdict_after_one_wait(emulator, bridged):
+    emulator.model.control({"websocket": "silent"})
+    proxy = bridged()
+    conv = Conversation(proxy.url, as_dicts=True)
+    converse(conv, 3)
+    conv.close()
+    log = answered(emulator)
+    assert_context_preserved(conv.sent, log)
+    assert all(r["transport"] == "http" for r in log)
+    assert all(r["continued"] for r in log[1:])  # forward mode, as with no WebSocket mode
+    output = proxy.stop()
+    assert output.count("never answered the WebSocket upgrade") == 1
+    assert output.count("ws: opening a socket") == 1

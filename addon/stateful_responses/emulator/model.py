@@ -88,7 +88,8 @@ class Faults:
     background_delay_ms: int = 200  # a background response's time from queued to finished
     read_rate_bytes_per_s: int = 0  # request bodies are read at this rate (0: as fast as they come)
     # "refuse": upgrades get 404, as without the mode; "unavailable": 503; "close": accepted, then closed before
-    # any event (LiteLLM's native pass-through); "no_previous": a socket refuses every previous_response_id
+    # any event (LiteLLM's native pass-through); "silent": never answered; "no_previous": a socket refuses
+    # every previous_response_id
     websocket: str | None = None
     ws_lifetime_s: float = 3600  # a socket's lifetime, after which response.create is refused
     next: list[dict] = field(default_factory=list)  # one-shot faults, FIFO
