@@ -9,8 +9,8 @@ import json
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from stateful_responses.items import item_digest
 from stateful_responses.continuation.planner import Planner
+from stateful_responses.items import item_digest
 from stateful_responses.request_reader import Request
 from stateful_responses.settings import Config, Settings
 
@@ -109,6 +109,31 @@ def test_continues_with_exactly_the_new_items():
     assert sent["previous_response_id"] == response["id"]
     assert sent["input"] == [{"role": "user", "content": "more"}]
     assert digests(context) == digests(items)
+
+
+def test_what_another_transport_sent_instead_of_the_plan_is_what_is_learned():
+    """The WebSocket bridge sends a turn whole (a refused continuation, say), or continues it from its
+    socket's memory: the answer is learned as that, and the next turn continues from it."""
+    planner, upstream = Planner(), ReferenceUpstream()
+    items = [{"role": "user", "content": "hi"}]
+    _, first, _ = send(planner, upstream, "k", items, assistant_output(1))
+    items = items + first["output"] + [{"role": "user", "content": "more"}]
+    plan = planner.plan(request(items, "k"))
+    assert plan.action == "continue"
+    planner.carried(plan, None, len(items), None)  # sent whole instead
+    status, second, _ = upstream.answer("k", {"input": items}, assistant_output(2))
+    assert planner.settle(plan, status, second).kind == "advanced"
+    items = items + second["output"] + [{"role": "user", "content": "again"}]
+    plan = planner.plan(request(items, "k"))
+    assert plan.previous_response_id == second["id"] and plan.items_sent == 1
+    planner.carried(plan, first["id"], 4, b'{"input":[]}')  # continued from an older response instead
+    assert plan.previous_response_id == first["id"] and plan.items_sent == 4
+    status, third, context = upstream.answer("k", {"input": items[2:], "previous_response_id": first["id"]},
+                                             assistant_output(3))
+    assert digests(context) == digests(items)
+    assert planner.settle(plan, status, third).kind == "advanced"
+    plan = planner.plan(request(items + third["output"] + [{"role": "user", "content": "end"}], "k"))
+    assert plan.previous_response_id == third["id"] and plan.items_sent == 1
 
 
 def test_interleaved_conversations_sharing_everything_all_continue():
@@ -706,3 +731,17 @@ def test_a_background_response_waits_for_its_poll_from_the_same_tenant():
     planner.upstreams.mark("reads_back", plan.scope)
     nxt = conv + assistant_output(1) + [{"role": "user", "content": "y"}]
     assert planner.plan(request(nxt, "k")).previous_response_id == "resp_bg"
+
+
+def test_a_mark_set_for_a_period_expires_after_it_and_is_written_with_it():
+    now = [1000.0]
+    planner = Planner(Config(clock=lambda: now[0]))
+    upstreams = planner.upstreams
+    assert upstreams.mark("refuses_websocket", "scope", 3600.0)
+    (write,) = upstreams.take_writes()
+    assert write.ttl == 3600.0
+    now[0] += 3599
+    assert upstreams.has("refuses_websocket", "scope")
+    now[0] += 1
+    assert not upstreams.has("refuses_websocket", "scope")
+    assert upstreams.mark("reads_back", "scope") and upstreams.take_writes()[0].ttl == planner.config.ttl

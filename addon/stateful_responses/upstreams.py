@@ -11,10 +11,12 @@ echoed the id, or billed more input than it was sent), ``refuses_previous``
 (refused or ignored a ``previous_response_id``), ``has_conversations`` (it
 answered the Conversations API as the API does), ``lacks_conversations``
 (it answered a Conversations endpoint 404/405, refused the ``conversation``
-field or ignored it) and ``refuses_websocket`` (refused the WebSocket
-upgrade, or a socket that did not continue what it was asked to). Each
-expires; setting one queues the write that shares
-it with every process using the store.
+field or ignored it) and ``refuses_websocket`` (its sockets are no use:
+it refused the WebSocket upgrade or never answered it, closed sockets
+before their first event, or a socket refused or did not continue what it
+was asked to). Each expires (a verdict drawn from faults sooner than the
+time to live: see ``mark``); setting one queues the write that shares it
+with every process using the store.
 """
 
 from __future__ import annotations
