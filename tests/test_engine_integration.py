@@ -181,3 +181,26 @@ def test_an_upgrade_never_answered_is_a_verdict_after_one_wait(emulator, bridged
     output = proxy.stop()
     assert output.count("never answered the WebSocket upgrade") == 1
     assert output.count("ws: opening a socket") == 1
+
+
+@pytest.mark.parametrize("fault", [
+    {"kind": "ws_close", "when": "continued"},  # the socket drops before the first event
+    {"kind": "ws_error", "status": 400, "code": "websocket_connection_limit_reached", "when": "continued"},
+], ids=["dropped", "worn-out"])
+def test_a_stored_conversation_whose_socket_is_lost_is_continued_on_a_fresh_one(emulator, bridged, fault):
+    proxy = bridged()
+    conv = Conversation(proxy.url, as_dicts=True)
+    converse(conv, 3)
+    emulator.model.control({"fail_next": [fault]})
+    converse(conv, 2, "after the fault ")
+    conv.close()
+    log = creates(emulator)
+    faulted = [r for r in log if r.get("fault") == fault["kind"]]
+    assert len(faulted) == 1 and faulted[0]["previous_response_id"] is not None
+    retry = log[log.index(faulted[0]) + 1]
+    assert retry["transport"] == "websocket" and retry["socket"] != faulted[0]["socket"]
+    assert retry["previous_response_id"] == faulted[0]["previous_response_id"] and retry["hydrated"] is True
+    reached = [r for r in log if r.get("fault") is None and r.get("status_code") == 200]
+    assert all(r["continued"] for r in reached[1:])
+    assert_context_preserved(conv.sent, reached)
+    assert "internal error" not in proxy.output()

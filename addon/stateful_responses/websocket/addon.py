@@ -304,7 +304,8 @@ class WebSocketBridge:
                     over_http=lambda outcome: self._over_http(flow, client, job, outcome),
                     settle=lambda outcome: self._settle(job, outcome),
                     first_event_s=s.upstream_websocket_first_event_s, silence_s=s.upstream_websocket_silence_s,
-                    fresh=fresh, stored=stored)
+                    fresh=fresh, stored=stored, rehydrate=stored or (
+                        tip is not None and plan is not None and plan.previous_response_id == tip.response_id))
         if tip is not None:
             assert reading.raw_items is not None  # a string input is one item: it extends nothing
             turn.continued, turn.items_sent = tip, len(digests) - tip.length

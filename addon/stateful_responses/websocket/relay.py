@@ -5,12 +5,13 @@ Never worse than no bridge. Until a byte reached the client, every failure is
 invisible: a socket that closes or breaks, an error event about the socket's
 state (``STATE_ERRORS``), any refusal of a continuation, or a continuation the
 upstream did not echo, sends the turn again with its full history on a fresh
-socket, and then over HTTP (the client's own request, sent as mitmproxy sends
-it). A refusal of the client's own request goes once over HTTP, whose answer
-is the client's; other error events become the HTTP status and body the API
-gives (a 429 stays a 429, so the SDK retries). Once a streaming client has
-bytes, a broken socket breaks the client's stream, as a dropped HTTP stream
-would.
+socket (a socket lost or worn out continues it again there instead, when the
+response it continues is stored and proven readable), and then over HTTP (the
+client's own request, sent as mitmproxy sends it). A refusal of the client's
+own request goes once over HTTP, whose answer is the client's; other error
+events become the HTTP status and body the API gives (a 429 stays a 429, so
+the SDK retries). Once a streaming client has bytes, a broken socket breaks
+the client's stream, as a dropped HTTP stream would.
 
 Bounded in time: an upstream that took the turn and sends nothing never holds
 the client and the socket for good. No first event within ``first_event_s``,
@@ -89,6 +90,8 @@ class Turn:
     items_sent: int = 0
     fresh: bool = False  # its socket was opened for it
     stored: bool = False  # continued from a stored response (hydrated), not from the socket's own memory
+    # the response continued is stored and proven readable: a fresh socket continues it too (hydrated)
+    rehydrate: bool = False
     _full_message: bytes | None = field(default=None, repr=False)
 
     @property
@@ -164,7 +167,7 @@ async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
             held.connection.abort()
             unused_closes += fresh
             outcome.closes_unused = unused_closes >= 2  # as an upstream that takes no turn on its sockets does
-            continued = None
+            continued = continued if turn.rehydrate else None
             continue
         event = exchange.event
         assert event is not None
@@ -179,7 +182,9 @@ async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
             if event.error_code in UNUSABLE_SOCKET_ERRORS:
                 held.connection.close_soon()
                 worn_out = True
-            continued = None
+                continued = continued if turn.rehydrate else None
+            else:
+                continued = None
             continue
         if not retried_over_http(event):
             outcome.status, body = error_answer(event)
