@@ -70,7 +70,7 @@ from driver import httpx  # noqa: E402
 from harness import start_mitmdump  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
 from stateful_responses.emulator import Emulator  # noqa: E402
-from stateful_responses.forward.planner import Planner  # noqa: E402
+from stateful_responses.continuation.planner import Planner  # noqa: E402
 from stateful_responses.request_reader import Request  # noqa: E402
 from stateful_responses.settings import Config, Settings  # noqa: E402
 from stateful_responses.state.outbox import apply_writes  # noqa: E402

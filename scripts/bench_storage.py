@@ -50,7 +50,7 @@ import redis  # noqa: E402
 from protocols_support import lift, lift_answer  # noqa: E402
 from redis_cluster import LocalCluster  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
-from stateful_responses.forward.planner import Planner  # noqa: E402
+from stateful_responses.continuation.planner import Planner  # noqa: E402
 from stateful_responses.request_reader import Request  # noqa: E402
 from stateful_responses.record.index import ChainIndex  # noqa: E402
 from stateful_responses.state.outbox import apply_writes  # noqa: E402

@@ -249,7 +249,7 @@ async def test_the_store_learns_before_the_last_bytes_reach_the_client(kind):
 
 
 async def test_clear_forgets_in_memory_and_in_the_store(tmp_path):
-    from stateful_responses.forward.prefixes import ENTRIES
+    from stateful_responses.continuation.prefixes import ENTRIES
 
     async with Glue(stateful_store=f"sqlite:{tmp_path / 'state.db'}") as addon:
         answer = {"id": "resp_1", "status": "completed", "store": True, "output": UPSTREAM_OUTPUT}

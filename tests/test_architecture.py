@@ -1,7 +1,9 @@
 """The layout's rules, pinned: every capability's pure core (every module but
 its ``addon.py``) and the shared pure modules import no mitmproxy, so tests and
 benchmarks drive them alone; no capability imports another capability's glue;
-the emulator never imports the addon."""
+the continuation engine is pure, has no glue, and no transport of it is a
+dependency of it (its transports depend on it, never the reverse); the emulator
+never imports the addon."""
 
 import ast
 import subprocess
@@ -11,6 +13,10 @@ from harness import ROOT
 
 PACKAGE = ROOT / "addon" / "stateful_responses"
 CAPABILITIES = ("forward", "store_emulation", "record", "router", "state", "websocket", "request_encoding")
+# The one continuation engine (planner and prefix store) and its transports: HTTP (forward mode) and the
+# upstream's WebSocket mode. A new transport is a capability beside them, with no planner of its own.
+ENGINE = "continuation"
+TRANSPORTS = ("forward", "websocket")
 # Shared modules that are mitmproxy glue by nature; every other shared module is pure.
 SHARED_GLUE = {"flows", "replays", "proofs", "view", "options", "heap", "pipeline", "mitmproxy_script", "cli"}
 
@@ -72,6 +78,23 @@ def test_no_capability_imports_another_capabilitys_glue():
         foreign_glue = [f"stateful_responses.{other}.addon" for other in CAPABILITIES if other != capability]
         for path in (PACKAGE / capability).rglob("*.py"):
             assert not [m for m in imported_modules(path) for glue in foreign_glue if within(m, glue)], path
+
+
+def test_the_engine_is_pure_and_imports_no_capability_but_the_state_layers_pure_parts():
+    engine = PACKAGE / ENGINE
+    assert not (engine / "addon.py").exists()
+    assert {module_name(path) for path in engine.rglob("*.py")} <= set(pure_modules())
+    capabilities = [f"stateful_responses.{c}" for c in CAPABILITIES if c != "state"]
+    capabilities.append("stateful_responses.state.addon")
+    for path in engine.rglob("*.py"):
+        assert not [m for m in imported_modules(path) for c in capabilities if within(m, c)], path
+
+
+def test_every_transport_plans_with_the_engine_and_keeps_no_planner_of_its_own():
+    for transport in TRANSPORTS:
+        imported = set().union(*(imported_modules(path) for path in (PACKAGE / transport).rglob("*.py")))
+        assert f"stateful_responses.{ENGINE}.planner" in imported, transport
+        assert not [path for name in ("planner.py", "prefixes.py") for path in (PACKAGE / transport).rglob(name)]
 
 
 def test_no_shared_module_imports_a_capability_but_the_state_layers_pure_parts():

@@ -126,6 +126,26 @@ def test_a_full_history_client_through_the_native_route_keeps_its_savings(litell
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_with_the_bridge_on_the_native_routes_unused_sockets_are_a_verdict_and_turns_continue_over_http(
+        litellm_gateway, fresh_emulator, start_proxy, stream):
+    """LiteLLM accepts the upgrade and closes the socket before any event: one turn finds it out, and
+    forward mode (forcing store, as with the bridge off) continues every later one over HTTP."""
+    proxy = start_proxy(litellm_gateway.url, "--set", "stateful_debug=true", upstream_websocket="auto")
+    conv = Conversation(proxy.url, api_key=litellm_gateway.master_key, model="native", stream=stream)
+    for text in user_turns(12):
+        conv.turn(text)
+    conv.close()
+    log = [r for r in fresh_emulator.model.snapshot_log() if r["protocol"] == "openai-responses"]
+    assert_context_preserved(conv.sent, log)
+    continued = [r["continued"] for r in log]
+    output = proxy.stop()
+    print(f"\nnative route, bridge on, {'sse' if stream else 'json'}: {sum(continued)} of {len(log)} continued")
+    assert len(log) >= 16 and continued == [False] + [True] * (len(log) - 1)
+    assert output.count("closed sockets opened for a turn before their first event") == 1
+    assert output.count("ws: opening a socket") == 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("mode", ["auto", "always"])
 def test_a_previous_response_id_client_through_the_native_route_keeps_its_context(
         litellm_gateway, fresh_emulator, start_proxy, mode, stream):

@@ -9,8 +9,8 @@ import json
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from stateful_responses.continuation.planner import Planner
 from stateful_responses.items import item_digest
-from stateful_responses.forward.planner import Planner
 from stateful_responses.request_reader import Request
 from stateful_responses.settings import Config, Settings
 
@@ -109,6 +109,31 @@ def test_continues_with_exactly_the_new_items():
     assert sent["previous_response_id"] == response["id"]
     assert sent["input"] == [{"role": "user", "content": "more"}]
     assert digests(context) == digests(items)
+
+
+def test_what_another_transport_sent_instead_of_the_plan_is_what_is_learned():
+    """The WebSocket bridge sends a turn whole (a refused continuation, say), or continues it from its
+    socket's memory: the answer is learned as that, and the next turn continues from it."""
+    planner, upstream = Planner(), ReferenceUpstream()
+    items = [{"role": "user", "content": "hi"}]
+    _, first, _ = send(planner, upstream, "k", items, assistant_output(1))
+    items = items + first["output"] + [{"role": "user", "content": "more"}]
+    plan = planner.plan(request(items, "k"))
+    assert plan.action == "continue"
+    planner.carried(plan, None, len(items), None)  # sent whole instead
+    status, second, _ = upstream.answer("k", {"input": items}, assistant_output(2))
+    assert planner.settle(plan, status, second).kind == "advanced"
+    items = items + second["output"] + [{"role": "user", "content": "again"}]
+    plan = planner.plan(request(items, "k"))
+    assert plan.previous_response_id == second["id"] and plan.items_sent == 1
+    planner.carried(plan, first["id"], 4, b'{"input":[]}')  # continued from an older response instead
+    assert plan.previous_response_id == first["id"] and plan.items_sent == 4
+    status, third, context = upstream.answer("k", {"input": items[2:], "previous_response_id": first["id"]},
+                                             assistant_output(3))
+    assert digests(context) == digests(items)
+    assert planner.settle(plan, status, third).kind == "advanced"
+    plan = planner.plan(request(items + third["output"] + [{"role": "user", "content": "end"}], "k"))
+    assert plan.previous_response_id == third["id"] and plan.items_sent == 1
 
 
 def test_interleaved_conversations_sharing_everything_all_continue():
@@ -578,7 +603,7 @@ def test_unusual_whitespace_between_top_level_fields_is_not_ambiguous(ws):
 # -- what outlives the process -----------------------------------------
 
 def test_what_the_planner_learns_reaches_the_outbox_and_a_fresh_planner_continues_from_it():
-    from stateful_responses.forward.prefixes import ENTRIES, REFS, entries_found
+    from stateful_responses.continuation.prefixes import ENTRIES, REFS, entries_found
     from stateful_responses.upstreams import MARKS
 
     first, upstream = Planner(), ReferenceUpstream()
@@ -643,7 +668,7 @@ def test_entries_and_marks_expire():
 
 
 def test_an_unreadable_stored_record_is_ignored():
-    from stateful_responses.forward.prefixes import entries_found
+    from stateful_responses.continuation.prefixes import entries_found
 
     assert entries_found({b"k": b"\x00garbage", b"j": b""}) == {}
 
@@ -668,7 +693,7 @@ def test_an_item_reference_to_an_output_item_equals_that_item():
 
 
 def test_a_reference_the_store_resolves_after_a_restart():
-    from stateful_responses.forward.prefixes import ENTRIES, REFS, entries_found
+    from stateful_responses.continuation.prefixes import ENTRIES, REFS, entries_found
 
     first, upstream = Planner(), ReferenceUpstream()
     conv = [{"role": "user", "content": "x"}]
@@ -706,3 +731,17 @@ def test_a_background_response_waits_for_its_poll_from_the_same_tenant():
     planner.upstreams.mark("reads_back", plan.scope)
     nxt = conv + assistant_output(1) + [{"role": "user", "content": "y"}]
     assert planner.plan(request(nxt, "k")).previous_response_id == "resp_bg"
+
+
+def test_a_mark_set_for_a_period_expires_after_it_and_is_written_with_it():
+    now = [1000.0]
+    planner = Planner(Config(clock=lambda: now[0]))
+    upstreams = planner.upstreams
+    assert upstreams.mark("refuses_websocket", "scope", 3600.0)
+    (write,) = upstreams.take_writes()
+    assert write.ttl == 3600.0
+    now[0] += 3599
+    assert upstreams.has("refuses_websocket", "scope")
+    now[0] += 1
+    assert not upstreams.has("refuses_websocket", "scope")
+    assert upstreams.mark("reads_back", "scope") and upstreams.take_writes()[0].ttl == planner.config.ttl

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
-from stateful_responses.forward.prefixes import PrefixStore
+from stateful_responses.continuation.prefixes import PrefixStore
 
 NOW, FOREVER = 1000.0, float("inf")
 

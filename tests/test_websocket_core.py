@@ -476,7 +476,7 @@ async def run(*sockets: Scripted, streamed: bool = False, continued: bool = True
             raise Refused(404)
         return spare.pop(0)
 
-    async def fall_back():
+    async def fall_back(outcome):
         over_http.append(True)
         return http
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .counters import Counters
 from .forward.addon import ForwardMode
-from .forward.planner import Planner
+from .continuation.planner import Planner
 from .heap import FrozenStartupHeap
 from .logs import quiet_libraries
 from .options import Options
@@ -59,7 +59,7 @@ def make_addons() -> list:
         conversation_emulation,  # before store emulation: it records the expanded body
         emulation,  # before forward mode: it plans the expanded body
         # before forward mode: a flow it takes is answered over an upstream WebSocket, never rewritten
-        WebSocketBridge(config, counters, tenancy, reader, upstreams, state, replays),
+        WebSocketBridge(config, counters, tenancy, reader, upstreams, state, replays, planner, proofs),
         forward,
         decoding.encoded,  # after every change to a request: it goes upstream encoded as the client's
         router.answers,  # fails over after the ones above learned from the failed answer

@@ -13,10 +13,12 @@ answered the Conversations API as the API does), ``lacks_conversations``
 (it answered a Conversations endpoint 404/405, refused the ``conversation``
 field or ignored it), ``serves_responses`` (of a host, its scope made without
 a credential: it answered a Responses request, so its ``/conversations`` are
-the Responses API's) and ``refuses_websocket`` (refused the WebSocket
-upgrade, or a socket that did not continue what it was asked to). Each
-expires; setting one queues the write that shares
-it with every process using the store.
+the Responses API's) and ``refuses_websocket`` (its sockets are no use:
+it refused the WebSocket upgrade or never answered it, closed sockets
+before their first event, or a socket refused or did not continue what it
+was asked to). Each expires (a verdict drawn from faults sooner than the
+time to live: see ``mark``); setting one queues the write that shares it
+with every process using the store.
 """
 
 from __future__ import annotations
@@ -95,13 +97,15 @@ class Upstreams:
         expires = self._expires.get((kind, scope))
         return expires is not None and expires > self.config.clock()
 
-    def mark(self, kind: MarkKind, scope: str) -> bool:
-        """Set a mark; False when it was already set."""
+    def mark(self, kind: MarkKind, scope: str, period: float | None = None) -> bool:
+        """Set a mark for ``period`` seconds (the time to live of everything
+        remembered when None); False when it was already set."""
         if self.has(kind, scope):
             return False
-        expires = self.config.clock() + self.config.ttl
+        ttl = min(period, self.config.ttl) if period is not None else self.config.ttl
+        expires = self.config.clock() + ttl
         self._expires[(kind, scope)] = expires
-        self._outbox.append(Write(MARKS, _mark_key(kind, scope), struct.pack("!d", expires), self.config.ttl))
+        self._outbox.append(Write(MARKS, _mark_key(kind, scope), struct.pack("!d", expires), ttl))
         return True
 
     def load(self, records: Mapping[bytes, bytes]) -> None:

@@ -87,7 +87,10 @@ class Faults:
     gzip: bool = False
     background_delay_ms: int = 200  # a background response's time from queued to finished
     read_rate_bytes_per_s: int = 0  # request bodies are read at this rate (0: as fast as they come)
-    websocket: str | None = None  # "refuse": upgrades get 404, as without the mode; "unavailable": 503
+    # "refuse": upgrades get 404, as without the mode; "unavailable": 503; "close": accepted, then closed before
+    # any event (LiteLLM's native pass-through); "silent": never answered; "no_previous": a socket refuses
+    # every previous_response_id
+    websocket: str | None = None
     numbered_ids: bool = False  # output item ids numbered from 1 in every response (a server's counter restarted)
     ws_lifetime_s: float = 3600  # a socket's lifetime, after which response.create is refused
     # the code of a response.create refused while its lane runs a response ("response_already_in_flight": a gateway's)
@@ -280,6 +283,9 @@ class ResponsesModel:
             record["generate"] = generate
             if background:
                 raise errors.background_over_websocket()
+            if previous is not None and f.websocket == "no_previous":
+                raise APIError(400, "previous_response_id is not supported over this socket.",
+                               param="previous_response_id")
 
         conversation = self._conversation_of(credential, body, previous)
         if f.refuse_store and body.get("store") is True:

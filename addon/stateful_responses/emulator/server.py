@@ -236,7 +236,9 @@ class _Handler(BaseHTTPRequestHandler):
         (websocket.py), unless refused with an HTTP status, as the API refuses
         an upgrade without a credential (401) and a server without the mode
         answers a GET on the path (404 ``Invalid URL``: the ``websocket``
-        fault ``refuse``; ``unavailable``: 503, a server that has it but not now)."""
+        fault ``refuse``; ``unavailable``: 503, a server that has it but not now;
+        ``close``: accepted and closed before any event, as LiteLLM's pass-through does;
+        ``silent``: never answered)."""
         self.close_connection = True
         credential = self._credential()
         try:
@@ -253,7 +255,13 @@ class _Handler(BaseHTTPRequestHandler):
         ws = ResponsesSocket(self.model, self.connection, self.rfile, credential)
         headers = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in self.headers.items()]
         with self.server.serving(ws):
+            if self.model.faults.websocket == "silent":
+                ws.serve()  # the upgrade is never answered: read until the client gives up
+                return
             if ws.handshake(self.path, headers):
+                if self.model.faults.websocket == "close":
+                    ws.close()  # accepted, then closed before any event
+                    return
                 ws.serve()
 
     def do_DELETE(self) -> None:

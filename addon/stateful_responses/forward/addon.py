@@ -42,8 +42,8 @@ from ..answer_reader import AnswerReader
 from ..state.access import StateAccess
 from ..tenancy import credential_material
 from ..upstreams import TRANSIENT_STATUSES
-from .planner import Outcome, Plan, Planner, plan_summary
-from .prefixes import ENTRIES, REFS, entries_found
+from ..continuation.planner import Outcome, Plan, Planner, plan_summary
+from ..continuation.prefixes import ENTRIES, REFS, entries_found
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,10 @@
 """The WebSocket bridge's mitmproxy glue (``stateful_upstream_websocket``).
 
+A transport of forward mode's engine (``continuation.planner``): the planner says
+what the upstream holds of a request (a stored response proven readable, on
+any replica, before any restart), and every answer made over a socket is
+settled into it, as forward mode settles its HTTP answers.
+
 Listed after store emulation and before forward mode. In ``request``, a
 full-history Responses request the bridge may take gets a socket of its
 upstream + credential (``pool.Pool``): one whose latest response its history
@@ -23,11 +28,13 @@ import ipaddress
 import logging
 import secrets
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 from blake3 import blake3
 from mitmproxy import ctx, http
 
+from ..answer_reader import AnswerReader
 from ..bounded import Bounded
 from ..counters import Counters
 from ..flows import (
@@ -42,12 +49,15 @@ from ..flows import (
     internal_error,
     request_of,
 )
+from ..continuation.planner import Plan, Planner
+from ..continuation.prefixes import ENTRIES, REFS, entries_found
+from ..proofs import Proofs
 from ..request_reader import Reader, Reading, upstream_of
 from ..replays import Replays, bad_gateway
 from ..settings import Config, Settings
 from ..state.access import StateAccess
 from ..tenancy import Tenancy, is_credential_header
-from ..upstreams import Upstreams
+from ..upstreams import TRANSIENT_STATUSES, Upstreams
 from .connect import Refused, Target, TLSOptions, Unreachable, open_socket
 from .loopback import PATH_PREFIX, Answer, Loopback
 from .messages import Tip, socket_message
@@ -59,6 +69,9 @@ logger = logging.getLogger(__name__)
 SWEEP_EVERY_S = 5.0  # idle and aged sockets are closed this often
 UNCLAIMED_S = 60.0  # a redirected flow not at the loopback server by then gives its socket back (then: HTTP)
 REST_S = 60.0  # an upstream + credential whose socket could not be opened goes over HTTP this long
+# A socket verdict drawn from faults (an upgrade never answered, sockets closed before their first event, a
+# continuation refused) holds this long, on every replica: then one turn tries a socket again.
+REPROBE_S = 3600.0
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "upgrade"})
 MARKS = {"continue": ":recycle:", "full": ":arrow_right:", "http": ":warning:"}
 
@@ -75,6 +88,8 @@ class _Job:
     label: str
     client_bytes: int
     token: str
+    plan: Plan | None  # the engine's plan, settled by the answer (None: nothing to learn, a store:false turn)
+    judged: bool = False  # its verdicts on the upstream's sockets are drawn
     unclaimed: asyncio.TimerHandle | None = None  # gives the socket back if the loopback server never sees the flow
     overdue: bool = False  # its socket was given back before the flow came: should it come, it goes over HTTP
 
@@ -118,8 +133,10 @@ def tls_options() -> TLSOptions:
 
 class WebSocketBridge:
     def __init__(self, config: Config, counters: Counters, tenancy: Tenancy, reader: Reader, upstreams: Upstreams,
-                 state: StateAccess, replays: Replays) -> None:
+                 state: StateAccess, replays: Replays, planner: Planner, proofs: Proofs) -> None:
         self.config = config
+        self.planner = planner
+        self.proofs = proofs
         self.counters = counters
         self.tenancy = tenancy
         self.reader = reader
@@ -132,6 +149,7 @@ class WebSocketBridge:
         self._jobs: dict[str, _Job] = {}  # by token: redirected, not yet claimed by the loopback server
         self._flows: PerFlow[_Job] = PerFlow()
         self._resting = Bounded(4096)  # scope -> until when its sockets are not tried
+        self._refusals = Bounded(4096)  # scope -> continuations its sockets refused in a row
         self._sweeper: asyncio.Task | None = None
         config.on_change(self._reconfigure)
         tenancy.on_new_secret(self._close_all)  # scopes and namespaces are named anew
@@ -203,6 +221,7 @@ class WebSocketBridge:
         scope, label = reading.scope, reading.label
         if self.upstreams.has("refuses_websocket", scope) or self._resting.get(scope, 0.0) > time.monotonic():
             return
+        plan = await self._plan(flow, reading)
         root = namespace(self.tenancy.secret, reading.upstream, reading.model, reading.credential)
         named = self.reader.digests.references
         references = {d: named[d] for d in reading.digests if d in named} if named else {}
@@ -218,14 +237,47 @@ class WebSocketBridge:
                         "busy" if choice.reason == "busy" else "holding a live conversation")
             return
         try:
-            await self._take(flow, reading, target, root, references, choice.held, choice.continued, choice.fresh)
+            tip, stored = choice.continued, False
+            if plan is not None and plan.action == "continue" and plan.previous_response_id is not None \
+                    and (depth := plan.items_total - plan.items_sent) > (tip.length if tip is not None else 0):
+                if reading.client_store is not False:  # a stored response, hydrated on this socket
+                    tip, stored = Tip(root, b"", depth, plan.previous_response_id), True
+                elif tip is None:  # a socket reads no stored response for a store:false turn: HTTP continues it
+                    self._give_back_choice(choice.held)
+                    return
+            await self._take(flow, reading, target, root, references, choice.held, tip, choice.fresh, plan, stored)
         except BaseException:  # a socket the flow does not go to goes back, whatever happened
             if choice.held.busy and self._flows.get(flow) is None:
-                self._close([c for c in [self.pool.release(choice.held, choice.held.tip)] if c is not None])
+                self._give_back_choice(choice.held)
             raise
 
+    async def _plan(self, flow: http.HTTPFlow, reading: Reading) -> Plan | None:
+        """The engine's plan of a turn (as forward mode's, from the same
+        prefix store and the backing store: a stored response proven readable
+        by any replica, before any restart); None when nothing is to be
+        learned from its answer (a ``store: false`` turn, an upstream that
+        does not store)."""
+        if reading.client_store is not False:  # a store:false turn is continued from no stored response
+            await self.proofs.settled(reading.scope)
+        request = request_of(flow)
+        plan = self.planner.plan(request, websocket_mode=True, count=False)
+        if not plan.tracked:
+            return None
+        if refs := self.planner.unresolved_references(plan):
+            found = await self.state.get(REFS, refs)
+            if found:  # item references another process learned: plan again with them
+                self.planner.learn_references(found)
+                plan = self.planner.plan(request, websocket_mode=True, count=False)
+        if keys := self.planner.lookups(plan):
+            self.planner.improve(plan, entries_found(await self.state.get(ENTRIES, keys)))
+        return plan
+
+    def _give_back_choice(self, held: Held) -> None:
+        self._close([c for c in [self.pool.release(held, held.tip)] if c is not None])
+
     async def _take(self, flow: http.HTTPFlow, reading: Reading, target: Target, root: bytes,
-                    references: dict[bytes, str], held: Held, tip: Tip | None, fresh: bool) -> None:
+                    references: dict[bytes, str], held: Held, tip: Tip | None, fresh: bool, plan: Plan | None,
+                    stored: bool) -> None:
         """Open the socket if it is new, then make the turn and point the flow at the loopback server."""
         scope, label, s = reading.scope, reading.label, self.settings
         if fresh:
@@ -238,11 +290,14 @@ class WebSocketBridge:
                 return
             except Unreachable as e:
                 self.pool.remove(held)
+                if str(e) == "TimeoutError":  # the upstream took the connection and never answered the upgrade
+                    self._refuses(scope, label, "never answered the WebSocket upgrade", REPROBE_S)
+                    return
                 self._resting.put(scope, time.monotonic() + REST_S)
                 self._debug("ws: no socket to %s (%s); over HTTP for %ds", label, e, REST_S)
                 return
         digests = reading.digests
-        if tip is not None and references:
+        if tip is not None and references and not stored:
             outputs = dict(tip.outputs)
             digests = [outputs.get(references.get(d, ""), d) for d in digests]
         client = flow.request.copy()
@@ -250,13 +305,16 @@ class WebSocketBridge:
         turn = Turn(streamed=bytes(fields.get("stream", b"")) == b"true", root=root, digests=digests,
                     whole=lambda: socket_message(body, fields), items_total=len(digests),
                     open_socket=lambda: open_socket(target, tls_options()),
-                    over_http=lambda: self._over_http(flow, client), settle=lambda outcome: self._settle(job, outcome),
-                    first_event_s=s.upstream_websocket_first_event_s, silence_s=s.upstream_websocket_silence_s)
+                    over_http=lambda outcome: self._over_http(flow, client, job, outcome),
+                    settle=lambda outcome: self._settle(job, outcome),
+                    first_event_s=s.upstream_websocket_first_event_s, silence_s=s.upstream_websocket_silence_s,
+                    fresh=fresh, stored=stored, rehydrate=stored or (
+                        tip is not None and plan is not None and plan.previous_response_id == tip.response_id))
         if tip is not None:
             assert reading.raw_items is not None  # a string input is one item: it extends nothing
             turn.continued, turn.items_sent = tip, len(digests) - tip.length
             turn.delta_message = socket_message(body, fields, reading.raw_items[tip.length:], tip.response_id)
-        job = _Job(flow, client, turn, held, scope, label, len(body), secrets.token_urlsafe(24))
+        job = _Job(flow, client, turn, held, scope, label, len(body), secrets.token_urlsafe(24), plan)
         await self.loopback.start()
         self._redirect(flow, job)
 
@@ -331,24 +389,106 @@ class WebSocketBridge:
         outcome = Outcome("http", items_sent=job.turn.items_total,
                           retries=[f"the flow came after its socket's {UNCLAIMED_S:g} s hold"])
         try:
-            outcome.status, headers, body = await job.turn.over_http()
-            self._settle(job, outcome)
+            outcome.status, headers, body = await job.turn.over_http(outcome)
+            await self._settle(job, outcome)
         except Exception:
             internal_error(self.counters, "answering a late flow over HTTP")
             failed = bad_gateway("internal error")
             outcome.status, headers, body = 502, list(failed.headers.items()), failed.raw_content or b""
         await answer.whole(outcome.status, headers, body)
 
-    async def _over_http(self, flow: http.HTTPFlow, client: http.Request) -> HttpAnswer:
-        """The client's own request over HTTP, sent as mitmproxy sends it."""
-        answer, _ = await self.replays.send(flow, client.copy(), "the upstream WebSocket could not answer it")
+    async def _over_http(self, flow: http.HTTPFlow, client: http.Request, job: _Job, outcome: Outcome) -> HttpAnswer:
+        """The client's own request over HTTP, sent as mitmproxy sends it;
+        once this upstream + credential's sockets are found no use (this very
+        turn may have found it), as forward mode sends it with the bridge off:
+        with ``store`` forced, so that the next turn is continued (the
+        client's own body again if that is refused)."""
+        self._judge(job, outcome)
+        request, forced = client.copy(), None
+        if self.upstreams.has("refuses_websocket", job.scope):
+            plan = self.planner.plan(request_of(flow, client), websocket_mode=True, count=False)
+            if plan.action == "full" and plan.forced_store and plan.body is not None:
+                request.content, forced = plan.body, plan
+        answer, _ = await self.replays.send(flow, request, "the upstream WebSocket could not answer it")
+        if forced is not None and 400 <= answer.status_code < 500 and answer.status_code not in TRANSIENT_STATUSES:
+            answer, _ = await self.replays.send(flow, client.copy(), "the upstream refused a forced store")
+            self.planner.retried(forced, answer.status_code)
+            self.state.flush()
         headers = [(k, v) for k, v in answer.headers.items(multi=True) if k.lower() not in _HOP_BY_HOP]
         return answer.status_code, headers, answer.raw_content or b""
 
-    def _settle(self, job: _Job, outcome: Outcome) -> None:
-        """What the turn came to, on the flow and in the counters and marks:
-        before the answer's last byte, so that the response hooks (the
-        record) read it."""
+    async def _settle(self, job: _Job, outcome: Outcome) -> None:
+        """What the turn came to, on the flow and in the counters, marks and
+        the engine's prefix store: before the answer's last byte, so that the
+        response hooks (the record) read it, and the client's next turn (on
+        any replica) finds what it taught."""
+        written = None
+        try:
+            self._report(job, outcome)
+            written = self._learn(job, outcome)
+        except Exception:
+            internal_error(self.counters, "learning from an answer over an upstream WebSocket")
+        if written is not None:
+            await written
+
+    def _learn(self, job: _Job, outcome: Outcome) -> Awaitable[None] | None:
+        """Report an answer made over the socket to the engine, as forward
+        mode reports its HTTP answers (an answer made over HTTP, the bridge's
+        fallback, went through forward mode: learned there)."""
+        plan, turn = job.plan, job.turn
+        if plan is None or outcome.abandoned or outcome.transport == "http":
+            return None
+        if turn.stored and outcome.previous_response_id != plan.previous_response_id:
+            self.planner.abandon(plan, "the socket did not continue the stored response")
+        if outcome.dropped is not None or outcome.status is None:
+            self.planner.abandon(plan, outcome.dropped or "no answer")
+            return self.state.written(self.state.flush())
+        continued = outcome.previous_response_id is not None
+        self.planner.carried(plan, outcome.previous_response_id, outcome.items_sent,
+                             turn.delta_message if continued else None)
+        response = None
+        if outcome.response is not None:
+            reader = AnswerReader("application/json", "")
+            reader.feed(outcome.response)
+            response = reader.finish()
+        learned = self.planner.settle(plan, outcome.status, response)
+        written = self.state.flush()
+        self._debug("ws: %s: %s", learned.kind, learned.detail)
+        if learned.kind == "advanced" and learned.response_id is not None and self.upstreams.unproven(plan.scope):
+            proof = job.flow.copy()
+            proof.request = job.client.copy()  # the flow points at the loopback server: the proof goes upstream
+            self.proofs.start(proof, plan.scope, plan.scope_label, plan.upstream, learned.response_id)
+            return self._proven(written, plan.scope)
+        return self.state.written(written)
+
+    async def _proven(self, written, scope: str) -> None:
+        await self.state.written(written)
+        await self.proofs.proven(scope)
+
+    def _judge(self, job: _Job, outcome: Outcome) -> None:
+        """The verdicts on this upstream + credential's sockets the turn
+        reached (once: before it goes over HTTP, which they may shape)."""
+        if job.judged:
+            return
+        job.judged = True
+        turn, continued = job.turn, outcome.previous_response_id is not None
+        if outcome.refused_upgrade is not None:
+            self._refused(job.scope, job.label, outcome.refused_upgrade)
+        if outcome.unverified:
+            self._refuses(job.scope, job.label, "answered a continuation without echoing its previous_response_id")
+        if outcome.refused_continuation is not None and not turn.stored:
+            # A refusal that names the field is a verdict at once; any other, the second in a row.
+            again = self._refusals.get(job.scope, 0) + 1
+            self._refusals.put(job.scope, again)
+            if outcome.refused_the_field or again >= 2:
+                self._refuses(job.scope, job.label, f"refused a continuation of its socket's own latest response "
+                              f"({outcome.refused_continuation})", REPROBE_S)
+        elif continued and outcome.transport == "websocket":
+            self._refusals.pop(job.scope, None)
+        if outcome.closes_unused:
+            self._refuses(job.scope, job.label, "closed sockets opened for a turn before their first event", REPROBE_S)
+
+    def _report(self, job: _Job, outcome: Outcome) -> None:
         flow, turn = job.flow, job.turn
         c = self.counters
         continued = outcome.previous_response_id is not None
@@ -367,10 +507,7 @@ class WebSocketBridge:
             c.fallbacks += 1
             c.full_items += outcome.items_sent
         c.websocket_retries += bool(outcome.retries)
-        if outcome.refused_upgrade is not None:
-            self._refused(job.scope, job.label, outcome.refused_upgrade)
-        if outcome.unverified:
-            self._refuses(job.scope, job.label, "answered a continuation without echoing its previous_response_id")
+        self._judge(job, outcome)
         self.state.flush()
         if outcome.abandoned:
             flow.comment = f"ws: not sent over HTTP: the client went away (after: {'; '.join(outcome.retries)})"
@@ -398,8 +535,11 @@ class WebSocketBridge:
             self._resting.put(scope, time.monotonic() + REST_S)
             self._debug("ws: %s refused the upgrade for now (%d); over HTTP for %ds", label, status, REST_S)
 
-    def _refuses(self, scope: str, label: str, why: str) -> None:
-        if self.upstreams.mark("refuses_websocket", scope):
+    def _refuses(self, scope: str, label: str, why: str, period: float | None = None) -> None:
+        """The verdict that this upstream + credential's sockets are no use:
+        HTTP, with forward mode's own policy, for ``period`` (the store's
+        time to live when None), on every replica."""
+        if self.upstreams.mark("refuses_websocket", scope, period):
             logger.info("stateful-responses: %s %s; HTTP from now on", label, why)
         self.state.flush()
 

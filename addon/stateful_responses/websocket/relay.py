@@ -5,12 +5,13 @@ Never worse than no bridge. Until a byte reached the client, every failure is
 invisible: a socket that closes or breaks, an error event about the socket's
 state (``STATE_ERRORS``), any refusal of a continuation, or a continuation the
 upstream did not echo, sends the turn again with its full history on a fresh
-socket, and then over HTTP (the client's own request, sent as mitmproxy sends
-it). A refusal of the client's own request goes once over HTTP, whose answer
-is the client's; other error events become the HTTP status and body the API
-gives (a 429 stays a 429, so the SDK retries). Once a streaming client has
-bytes, a broken socket breaks the client's stream, as a dropped HTTP stream
-would.
+socket (a socket lost or worn out continues it again there instead, when the
+response it continues is stored and proven readable), and then over HTTP (the
+client's own request, sent as mitmproxy sends it). A refusal of the client's
+own request goes once over HTTP, whose answer is the client's; other error
+events become the HTTP status and body the API gives (a 429 stays a 429, so
+the SDK retries). Once a streaming client has bytes, a broken socket breaks
+the client's stream, as a dropped HTTP stream would.
 
 Bounded in time: an upstream that took the turn and sends nothing never holds
 the client and the socket for good. No first event within ``first_event_s``,
@@ -31,6 +32,7 @@ from websockets.exceptions import ConnectionClosed
 from .connect import Refused, Unreachable, UpstreamSocket
 from .loopback import Answer
 from .messages import (
+    STATE_ERRORS,
     UNUSABLE_SOCKET_ERRORS,
     Event,
     Tip,
@@ -60,6 +62,10 @@ class Outcome:
     dropped: str | None = None  # why the client's stream was cut after it had bytes (the socket broke or fell silent)
     status: int | None = None  # the HTTP status the client got
     abandoned: bool = False  # the client went away before any answer: the turn was not sent over HTTP
+    response: bytes | None = None  # the response object answered over the socket, as a JSON client gets it
+    refused_continuation: Any = None  # the error code (or status) a continuation was refused with
+    refused_the_field: bool = False  # ... by an error that names previous_response_id (not the socket's state)
+    closes_unused: bool = False  # sockets opened for this turn, two in a row, closed before their first event
 
 
 @dataclass
@@ -74,13 +80,18 @@ class Turn:
     whole: Callable[[], bytes]  # builds the message with the whole input (see full_message)
     items_total: int
     open_socket: Callable[[], Awaitable[UpstreamSocket]]
-    over_http: Callable[[], Awaitable[HttpAnswer]]
-    settle: Callable[[Outcome], None]  # told how it went just before the answer's last bytes
+    over_http: Callable[[Outcome], Awaitable[HttpAnswer]]  # given how the socket failed
+    # told how it went just before the answer's last bytes; what it returns, if awaitable, is awaited first
+    settle: Callable[[Outcome], Awaitable[None] | None]
     first_event_s: float  # the longest wait for a turn's first event (the API sends response.created at once)
     silence_s: float  # the longest wait for each next one (a reasoning model may think between events)
     continued: Tip | None = None
     delta_message: bytes | None = None
     items_sent: int = 0
+    fresh: bool = False  # its socket was opened for it
+    stored: bool = False  # continued from a stored response (hydrated), not from the socket's own memory
+    # the response continued is stored and proven readable: a fresh socket continues it too (hydrated)
+    rehydrate: bool = False
     _full_message: bytes | None = field(default=None, repr=False)
 
     @property
@@ -110,9 +121,12 @@ async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
     outcome = Outcome()
     continued = turn.continued
     worn_out = False  # the socket cannot take the turn (its age, or a response still running): a fresh one does
+    fresh, unused_closes = turn.fresh, 0
     for attempt in (1, 2):
-        if (not held.open or worn_out) and not await _reopen(turn, held, pool, outcome):
-            break
+        if not held.open or worn_out:
+            if not await _reopen(turn, held, pool, outcome):
+                break
+            fresh = True
         previous = continued.response_id if continued is not None else None
         message = turn.delta_message if continued is not None else turn.full_message
         assert message is not None
@@ -122,12 +136,14 @@ async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
             outcome.items_sent = turn.items_sent if continued is not None else turn.items_total
             outcome.status = 200
             _release(pool, held, tip_after(turn.root, turn.digests, exchange.response, exchange.done_items, continued))
-            turn.settle(outcome)
+            if exchange.response is not None:
+                outcome.response = answered_response(exchange.response, exchange.done_items)
+            await _settle(turn, outcome)
             if turn.streamed:
                 await answer.end_stream()
             else:
-                assert exchange.response is not None
-                await answer.json(200, answered_response(exchange.response, exchange.done_items))
+                assert outcome.response is not None
+                await answer.json(200, outcome.response)
             return outcome
         if exchange.kind == "silent" and not answer.started:
             outcome.retries.append(f"no event within {exchange.waited:g} s")
@@ -138,7 +154,7 @@ async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
                 f"the socket fell silent for {exchange.waited:g} s"
             held.connection.abort()
             _release(pool, held, None)
-            turn.settle(outcome)
+            await _settle(turn, outcome)
             answer.drop()
             return outcome
         if exchange.kind == "unverified":
@@ -149,22 +165,31 @@ async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
         if exchange.kind == "fault":
             outcome.retries.append("the socket closed before the first event")
             held.connection.abort()
-            continued = None
+            unused_closes += fresh
+            outcome.closes_unused = unused_closes >= 2  # as an upstream that takes no turn on its sockets does
+            continued = continued if turn.rehydrate else None
             continue
         event = exchange.event
         assert event is not None
         reason = f"the socket refused it ({event.error_code or event.status})"
+        if continued is not None and retried_on_a_socket(event, True) \
+                and event.error_code not in UNUSABLE_SOCKET_ERRORS:  # not the socket's age or its running turn
+            outcome.refused_continuation = event.error_code or event.status
+            outcome.refused_the_field = event.error_code not in STATE_ERRORS and event.error is not None \
+                and b"previous_response_id" in bytes(event.error)
         if attempt == 1 and retried_on_a_socket(event, continued is not None):
             outcome.retries.append(reason)
             if event.error_code in UNUSABLE_SOCKET_ERRORS:
                 held.connection.close_soon()
                 worn_out = True
-            continued = None
+                continued = continued if turn.rehydrate else None
+            else:
+                continued = None
             continue
         if not retried_over_http(event):
             outcome.status, body = error_answer(event)
             _release(pool, held, None)
-            turn.settle(outcome)
+            await _settle(turn, outcome)
             await answer.json(outcome.status, body)
             return outcome
         outcome.retries.append(reason)
@@ -173,15 +198,23 @@ async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
     _release(pool, held, None)
     if answer.abandoned:  # the client went away: over HTTP the turn would be made, and billed, for nobody
         outcome.abandoned = True
-        turn.settle(outcome)
+        await _settle(turn, outcome)
         answer.drop()
         return outcome
     outcome.transport = "http"
     outcome.items_sent = turn.items_total
-    outcome.status, headers, body = await turn.over_http()
-    turn.settle(outcome)
+    outcome.status, headers, body = await turn.over_http(outcome)
+    await _settle(turn, outcome)
     await answer.whole(outcome.status, headers, body)
     return outcome
+
+
+async def _settle(turn: Turn, outcome: Outcome) -> None:
+    """Tell the turn how it went, and wait for what that started (what it
+    taught, on its way to the shared store) before the answer's end."""
+    learned = turn.settle(outcome)
+    if learned is not None:
+        await learned
 
 
 async def _reopen(turn: Turn, held: Held, pool: Pool, outcome: Outcome) -> bool:

@@ -1,6 +1,7 @@
-"""Forward mode's planner: from a client's full-history request to a
-decision, and from an answer to what the prefix store learns. Pure: no
-mitmproxy, no I/O.
+"""The continuation engine's planner: from a client's full-history request
+to a decision, and from an answer to what the prefix store learns, whichever
+transport (HTTP, an upstream WebSocket) carries them. Pure: no mitmproxy, no
+I/O.
 
 The one invariant everything here serves: for every request, the upstream's
 context (its stored chain + the input we send) equals the client's input. A
@@ -54,6 +55,7 @@ class Plan:
     checked: bool = False
     draft: _Draft | None = field(default=None, repr=False)  # what improving the plan from the store needs
     root: bytes = field(default=b"", repr=False)  # the namespace's root digest
+    counted: bool = field(default=True, repr=False)  # in the counters (the transport that carries it counts)
 
     @property
     def changed(self) -> bool:
@@ -98,8 +100,9 @@ _ABSENT = object()
 
 @dataclass
 class Planner:
-    """Forward mode's decisions; standalone (tests, benchmarks) it makes its
-    own shared pieces, in the proxy it is handed the ones every addon shares."""
+    """The engine's decisions, for every transport; standalone (tests,
+    benchmarks) it makes its own shared pieces, in the proxy it is handed the
+    ones every addon shares."""
 
     config: Config = field(default_factory=Config)
     counters: Counters = field(default_factory=Counters)
@@ -159,14 +162,15 @@ class Planner:
         return h.digest()
 
     def plan(self, request: Request, *, rewrite: bool = True, checkable: bool = True,
-             websocket_mode: bool = False) -> Plan:
+             websocket_mode: bool = False, count: bool = True) -> Plan:
         """Decide what to send. With ``rewrite=False`` (our own retry of a
         client's original body) nothing is changed, only tracked. With
         ``checkable=False`` (an answer that must stream as it comes) a
         continuation that would have to be checked goes full instead.
         ``websocket_mode``: whether the WebSocket bridge runs for the request's
-        proxy mode (the glue says; it does not in ``--mode upstream:``)."""
-        reading = self.reader.read(request, count=rewrite)
+        proxy mode (the glue says; it does not in ``--mode upstream:``).
+        ``count=False``: another transport counts what it sends (the bridge)."""
+        reading = self.reader.read(request, count=rewrite and count)
         if isinstance(reading, Skip):
             return Plan("pass", reading.reason, reading.upstream, reading.model)
         s = self.settings
@@ -218,6 +222,7 @@ class Planner:
             forced_store=force,
             client_bytes=len(request.body),
             root=root,
+            counted=count,
         )
         if not asked_store:
             plan.reason = "full; the request does not ask to store"
@@ -263,7 +268,7 @@ class Planner:
 
     def discard(self, plan: Plan) -> None:
         """A plan that will be made again (its counts are taken back)."""
-        if plan.draft is not None:
+        if plan.draft is not None and plan.counted:
             self._uncount(plan)
             self.counters.requests -= 1
 
@@ -318,6 +323,8 @@ class Planner:
             return
 
     def _count(self, plan: Plan, sign: int = 1) -> None:
+        if not plan.counted:
+            return
         c = self.counters
         if plan.action == "continue":
             c.continued += sign
@@ -329,6 +336,23 @@ class Planner:
 
     def _uncount(self, plan: Plan) -> None:
         self._count(plan, -1)
+
+    def carried(self, plan: Plan, previous_response_id: str | None, items_sent: int, sent: bytes | None) -> None:
+        """What another transport sent for ``plan``, which may differ from
+        the plan (the WebSocket bridge continues from a socket's own memory,
+        or sends the whole history after a refusal): its answer is then
+        learned from as if this had been the plan. ``sent``: the bytes that
+        carried a continuation (an echo's bill is judged against them)."""
+        if previous_response_id is None:
+            plan.action, plan.previous_response_id, plan.parent, plan.body = "full", None, None, None
+        elif previous_response_id != plan.previous_response_id:
+            assert plan.sequence is not None
+            length = plan.items_total - items_sent
+            plan.action, plan.previous_response_id, plan.body = "continue", previous_response_id, sent
+            plan.parent = plan.sequence.digests[length - 1] if 0 < length <= len(plan.sequence.digests) else None
+        else:
+            plan.body = sent
+        plan.items_sent = items_sent
 
     def settle(self, plan: Plan, status_code: int, response: Any, *, chain_read: bool = False) -> Outcome:
         """Learn from the upstream's answer to a planned request.
