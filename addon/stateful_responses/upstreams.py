@@ -11,7 +11,7 @@ echoed the id, or billed more input than it was sent), ``refuses_previous``
 (refused or ignored a ``previous_response_id``), ``has_conversations`` (it
 answered the Conversations API as the API does), ``lacks_conversations``
 (it answered a Conversations endpoint 404/405, refused the ``conversation``
-field or ignored it) and ``refuses_websocket`` (refused the WebSocket
+field or echoed another conversation, or none, in its place) and ``refuses_websocket`` (refused the WebSocket
 upgrade, or a socket that did not continue what it was asked to). Each
 expires; setting one queues the write that shares
 it with every process using the store.

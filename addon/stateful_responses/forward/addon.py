@@ -273,7 +273,7 @@ class ForwardMode:
             if pending is None:
                 return
             status = flow.response.status_code
-            if 400 <= status < 500 and pending.plan.changed and status not in TRANSIENT_STATUSES:
+            if status >= 400 and pending.plan.changed and status not in TRANSIENT_STATUSES:
                 # Buffered, whatever stream_large_bodies says: the response hook
                 # replaces this refusal before the client sees it.
                 hold(flow)
@@ -403,6 +403,15 @@ class ForwardMode:
         self.planner.counters.retries += 1
         self._debug("retrying with the original body after %d: %s", rejected, why)
         answer, failure = await self.replays.send(flow, pending.original, f"original body after {rejected}: {why}")
+        client_body = flow.metadata.get(CLIENT_BODY)
+        if failure is None and answer.status_code >= 400 and answer.status_code not in TRANSIENT_STATUSES \
+                and client_body is not None and client_body != pending.original.raw_content:
+            # What forward mode was handed failed too, and another addon had changed it (a chain or a
+            # conversation expanded): the client's own body goes, and its answer is the client's.
+            own = pending.original.copy()
+            own.raw_content = client_body
+            answer, failure = await self.replays.send(flow, own, f"the client's own body after {rejected} "
+                                                      f"and {answer.status_code}")
         flow.response = answer
         flow.marked = ":warning:"
         summary = plan_summary(pending.plan)
