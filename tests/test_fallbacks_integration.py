@@ -143,6 +143,23 @@ def test_an_expanded_chain_that_fails_goes_again_as_the_client_sent_it(emulator,
     assert own["status_code"] == 200 and own["previous_response_id"] == first["id"]
 
 
+def test_an_expanded_chain_forward_mode_changed_goes_as_the_client_sent_it_when_both_fail(emulator, start_proxy):
+    """Forward mode sent the expansion as a continuation (500), then the
+    expansion it was handed (500): the client's own body goes last."""
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always")
+    first = httpx.post(f"{proxy.url}/v1/responses", headers=AUTH, json={"model": "m", "input": "hello"},
+                       timeout=30).json()
+    emulator.model.control({"fail_next": [{"kind": "status", "status": 500, "when": "continued"},
+                                          {"kind": "status", "status": 500, "when": "fresh"}]})
+    second = httpx.post(f"{proxy.url}/v1/responses", headers=AUTH, json={
+        "model": "m", "input": "again", "previous_response_id": first["id"]}, timeout=30)
+    assert second.status_code == 200
+    continued, expanded, own = log(emulator)[-3:]
+    assert (continued["status_code"], expanded["status_code"], own["status_code"]) == (500, 500, 200)
+    assert expanded["previous_response_id"] is None and own["previous_response_id"] == first["id"]
+    assert own["continued"] and own["input_items"] == 1
+
+
 def test_connection_reset_on_a_continuation_heals_with_the_clients_own_retry(proxy, emulator):
     conv = Conversation(proxy.url)
     run_turns(conv, user_turns(2))

@@ -36,6 +36,9 @@ MARK_KINDS = frozenset(MarkKind.__args__)  # type: ignore[attr-defined]
 # Answers that say "not now", not "not this": the client's SDK retries them and
 # the same answer would have come without the addon, so they teach nothing.
 TRANSIENT_STATUSES = frozenset({408, 425, 429})
+# Answers that say the upstream (or a gateway before it) is unavailable, whatever the body: no retry of ours with
+# another body can help there (the router fails over, the client's SDK retries).
+UNAVAILABLE_STATUSES = frozenset({502, 503, 504})
 
 
 # Input that costs tokens without bytes on the wire: a file or an image by reference.

@@ -25,7 +25,7 @@ from ..request_reader import Reader, Reading, Request, Skip, splice
 from ..settings import Config, Settings
 from ..state.outbox import Outbox, Write
 from ..tenancy import Tenancy
-from ..upstreams import TRANSIENT_STATUSES, Upstreams, echo_verdict
+from ..upstreams import TRANSIENT_STATUSES, UNAVAILABLE_STATUSES, Upstreams, echo_verdict
 from .prefixes import ENTRIES, REFS, Match, PrefixStore, StoredEntry, encode_entry
 
 Action = Literal["pass", "full", "continue"]
@@ -346,7 +346,7 @@ class Planner:
                 self._forget_branch(plan)  # a refusal: the upstream lost the chain (or never had it)
             else:
                 self._forget_parent(plan)
-            if plan.changed:  # 5xx too: a changed body may be what broke the upstream
+            if plan.changed and status_code not in UNAVAILABLE_STATUSES:  # a 500 too: the change may be why
                 return Outcome("retry", f"upstream answered {status_code} to a changed request")
             return Outcome("dropped", f"upstream answered {status_code}")
         if not isinstance(response, dict):

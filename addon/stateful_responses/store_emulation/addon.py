@@ -67,7 +67,7 @@ from ..answer_reader import AnswerReader
 from ..state.access import StateAccess
 from ..state.storage import StorageError
 from ..tenancy import Tenancy, credential_material
-from ..upstreams import TRANSIENT_STATUSES, Upstreams, echo_verdict
+from ..upstreams import TRANSIENT_STATUSES, UNAVAILABLE_STATUSES, Upstreams, echo_verdict
 from .conversations import (
     ApiError,
     Call,
@@ -543,16 +543,19 @@ class StoreEmulation:
                 and record.previous_response_id is not None and flow.request.method.upper() == "POST")
 
     def _falls_back(self, flow: http.HTTPFlow, record: _Flow) -> bool:
-        """A failure answer (5xx included, not a "not now") to a chain the
+        """A failure answer (a 500 too; not a "not now" or "unavailable") to a chain the
         proxy expanded, which forward mode did not change further (it retries
         its own changes, and the client's body last): the client's own body
-        goes again, so that no error the expansion caused reaches it."""
+        goes again, so that no error the expansion caused reaches it. Only to
+        an upstream + credential that proved it continues a chain: one that
+        ignores the field would answer without the history."""
         assert flow.response is not None
         status = flow.response.status_code
         decision = flow.metadata.get(DECISION) or {}
         forward_changed = decision.get("action") == "continue" or decision.get("forced_store") is True
         return (flow.metadata.get(RETRY_OF) is None and record.expanded is not None and not forward_changed
-                and status >= 400 and status not in TRANSIENT_STATUSES)
+                and status >= 400 and status not in TRANSIENT_STATUSES | UNAVAILABLE_STATUSES
+                and self.upstreams.continuable(record.scope))
 
     async def _retry_as_sent(self, flow: http.HTTPFlow, record: _Flow) -> None:
         """The expanded chain failed: send the client's own body, whose
