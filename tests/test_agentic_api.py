@@ -205,7 +205,9 @@ def test_a_full_history_client_is_continued_and_refused_at_most_once_after_agent
     assert counter.responses("POST", 404) == 1
     assert counter.responses("POST") == len(agent.meant) + 1
     continued = int(re.search(r"continued=(\d+)", output).group(1))
-    assert continued == (before - 1) + (after - 1)  # all but each store's first request, the refused one counted
+    # after the refusal, every turn but the one stored anew is continued again (before it, a proof that takes
+    # over 2 s on a loaded machine may send a request or two whole: correct, no saving)
+    assert after - 1 <= continued <= (before - 1) + (after - 1)
 
 
 def test_a_full_history_client_over_agentic_apis_websocket_mode(agentic_server, emulator, start_proxy):
