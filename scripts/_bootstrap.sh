@@ -4,6 +4,7 @@
 #   PYTHON    the interpreter that creates it (default: python3)
 #   MITMPROXY a pip requirement for mitmproxy (default: mitmproxy>=11)
 #   WITH_LITELLM=1 also installs LiteLLM's proxy (scripts/install-litellm)
+#   WITH_AGENTIC_API=1 also installs vLLM's agentic-api (scripts/install-agentic-api)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
@@ -54,5 +55,10 @@ fi
 if [ "${WITH_LITELLM:-}" = 1 ] && ! "$ROOT/scripts/install-litellm"; then
     [ "${CI:-}" = true ] && exit 1
     echo "LiteLLM could not be installed: tests/test_litellm_gateway.py will be skipped" >&2
+fi
+# vLLM's agentic-api, a stateful gateway for tests/test_agentic_api.py (WITH_AGENTIC_API=1): alike.
+if [ "${WITH_AGENTIC_API:-}" = 1 ] && ! "$ROOT/scripts/install-agentic-api"; then
+    [ "${CI:-}" = true ] && exit 1
+    echo "agentic-api could not be installed: tests/test_agentic_api.py will be skipped" >&2
 fi
 export PATH="$VENV/bin:$PATH"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from agentic_server import agentic_server  # noqa: F401 (a fixture: vLLM's agentic-api in front of the emulator)
 from harness import start_mitmdump
 from litellm_server import fresh_emulator, litellm_gateway  # noqa: F401 (fixtures: a real LiteLLM proxy in front of
 # the emulator)
@@ -47,6 +48,6 @@ def proxy(emulator, start_proxy):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if {"start_proxy", "proxy", "litellm_gateway"} & set(getattr(item, "fixturenames", ())):
+        if {"start_proxy", "proxy", "litellm_gateway", "agentic_server"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
 

@@ -100,23 +100,64 @@ def test_unfinished_answers_drop_the_branch_without_marking(proxy, emulator, kin
     assert "does not store" not in proxy.output()
 
 
-def test_server_error_passes_through_and_the_branch_is_forgotten(proxy, emulator):
+def test_a_server_error_to_a_continuation_is_retried_invisibly_and_the_branch_is_forgotten(proxy, emulator):
+    """A 5xx may be what the change caused (agentic-api's 500 on item ids it
+    holds): the client's own body goes again, and its answer is the client's."""
     conv = Conversation(proxy.url)
     run_turns(conv, user_turns(2))
     emulator.model.control({"fail_next": [{"kind": "status", "status": 500, "when": "continued"}]})
-    import openai
-
-    with pytest.raises(openai.InternalServerError):
-        conv.turn("this gets a 500 the upstream caused")
-    conv.history.pop()
-    conv.sent.pop()
-    conv.turn("the client tries again")
+    conv.turn("this continuation meets a 500: the client's own body goes again")
+    conv.turn("the next turn")
     conv.close()
     failed = next(r for r in log(emulator) if r["status_code"] == 500)
     records = [r for r in log(emulator) if r["status_code"] == 200]
     assert_context_preserved(conv.sent, records)
     # planned afresh: never again from the parent that met the error (an older ancestor is fine)
     assert records[-1]["previous_response_id"] != failed["previous_response_id"]
+
+
+def test_a_server_error_the_clients_own_body_also_gets_is_the_clients(proxy, emulator):
+    conv = Conversation(proxy.url)
+    run_turns(conv, user_turns(2))
+    emulator.model.control({"fail_next": [{"kind": "status", "status": 500, "when": "continued"},
+                                          {"kind": "status", "status": 500}]})
+    import openai
+
+    with pytest.raises(openai.InternalServerError):
+        conv.turn("this gets a 500 the upstream caused")
+    assert [r["status_code"] for r in log(emulator)][-2:] == [500, 500]
+
+
+def test_an_expanded_chain_that_fails_goes_again_as_the_client_sent_it(emulator, start_proxy):
+    """Store emulation expanded a chain, forward mode changed nothing more
+    (``store: false``, no forced store): a failure of the expansion is
+    retried with the client's own body, whose answer the client gets."""
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always", "--set", "stateful_force_store=false")
+    first = httpx.post(f"{proxy.url}/v1/responses", headers=AUTH, json={"model": "m", "input": "hello"}).json()
+    emulator.model.control({"fail_next": [{"kind": "status", "status": 500}]})
+    second = httpx.post(f"{proxy.url}/v1/responses", headers=AUTH, json={
+        "model": "m", "input": "again", "previous_response_id": first["id"], "store": False})
+    assert second.status_code == 200
+    expanded, own = log(emulator)[-2:]
+    assert expanded["status_code"] == 500 and expanded["previous_response_id"] is None
+    assert own["status_code"] == 200 and own["previous_response_id"] == first["id"]
+
+
+def test_an_expanded_chain_forward_mode_changed_goes_as_the_client_sent_it_when_both_fail(emulator, start_proxy):
+    """Forward mode sent the expansion as a continuation (500), then the
+    expansion it was handed (500): the client's own body goes last."""
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always")
+    first = httpx.post(f"{proxy.url}/v1/responses", headers=AUTH, json={"model": "m", "input": "hello"},
+                       timeout=30).json()
+    emulator.model.control({"fail_next": [{"kind": "status", "status": 500, "when": "continued"},
+                                          {"kind": "status", "status": 500, "when": "fresh"}]})
+    second = httpx.post(f"{proxy.url}/v1/responses", headers=AUTH, json={
+        "model": "m", "input": "again", "previous_response_id": first["id"]}, timeout=30)
+    assert second.status_code == 200
+    continued, expanded, own = log(emulator)[-3:]
+    assert (continued["status_code"], expanded["status_code"], own["status_code"]) == (500, 500, 200)
+    assert expanded["previous_response_id"] is None and own["previous_response_id"] == first["id"]
+    assert own["continued"] and own["input_items"] == 1
 
 
 def test_connection_reset_on_a_continuation_heals_with_the_clients_own_retry(proxy, emulator):

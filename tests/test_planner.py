@@ -432,23 +432,21 @@ def _answer(rid, **fields):
     return {"id": rid, "status": "completed", "output": assistant_output(1), **fields}
 
 
-def test_an_answer_without_store_proves_nothing_until_the_upstream_echoed_a_continuation():
+def test_an_answer_without_store_is_taken_as_asked_and_continued_only_once_read_back():
+    """agentic-api's answers carry no ``store``: what the request asked
+    stands, and the GET of the proof decides before anything is continued."""
     planner = Planner()
     conv = [{"role": "user", "content": "x"}]
     nxt = conv + assistant_output(1) + [{"role": "user", "content": "y"}]
-    assert planner.settle(planner.plan(request(conv)), 200, _answer("resp_1")).kind == "ignored"
-    assert planner.plan(request(nxt)).action == "full"
-    # the client's own continuation is answered with the id echoed: the upstream honours it
-    watched = planner.plan(request([{"role": "user", "content": "q"}], previous_response_id="resp_0"))
-    assert watched.action == "pass" and watched.watched
-    planner.settle(watched, 200, _answer("resp_w", previous_response_id="resp_0"))
-    plan = planner.plan(request(conv))
-    assert planner.settle(plan, 200, _answer("resp_2")).kind == "advanced"
-    planner.upstreams.mark("reads_back", plan.scope)
+    first = planner.plan(request(conv))
+    assert first.forced_store and planner.settle(first, 200, _answer("resp_1")).kind == "advanced"
+    assert planner.plan(request(nxt)).action == "full"  # not read back yet
+    planner.upstreams.mark("reads_back", first.scope)
     assert planner.plan(request(nxt)).action == "continue"
-    # trust is per upstream + credential
-    other = planner.plan(request(conv, "other"))
-    assert planner.settle(other, 200, _answer("resp_3")).kind == "ignored"
+    # a request that did not ask to store: its answer is not taken as stored
+    unforced = Planner(Config(Settings(force_store=False)))
+    plan = unforced.plan(request(conv))
+    assert not plan.asked_store and unforced.settle(plan, 200, _answer("resp_2")).kind == "ignored"
 
 
 def test_a_continuation_whose_answer_does_not_echo_the_id_is_not_built_upon():
@@ -642,14 +640,34 @@ def test_what_the_planner_learns_reaches_the_outbox_and_a_fresh_planner_continue
     assert second.plan(request(conv, "zdr")).action == "pass"
 
 
-def test_a_refused_parent_is_deleted_from_the_store_too():
+def test_a_refused_continuation_forgets_its_whole_branch_in_the_store_too():
+    """An upstream that lost the parent (a restart) lost its ancestors too:
+    the next turn is not continued from an older one, refused again."""
     planner, upstream = Planner(), ReferenceUpstream()
     conv = [{"role": "user", "content": "x"}]
-    _, response, _ = send(planner, upstream, "k", conv, assistant_output(1))
+    for text in ("y", "z"):
+        _, response, _ = send(planner, upstream, "k", conv, assistant_output(1))
+        conv = conv + response["output"] + [{"role": "user", "content": text}]
     planner.take_writes()
-    plan = planner.plan(request(conv + response["output"] + [{"role": "user", "content": "y"}], "k"))
-    assert planner.settle(plan, 400, None).kind == "retry"
+    plan = planner.plan(request(conv, "k"))
+    assert plan.action == "continue"
+    assert planner.settle(plan, 404, None).kind == "retry"
+    forgotten = {w.key for w in planner.take_writes() if w.value is None}
+    assert plan.parent in forgotten and len(forgotten) == plan.items_total - plan.items_sent
+    assert planner.plan(request(conv, "k")).action == "full"
+
+
+def test_a_server_error_to_a_continuation_forgets_only_its_parent():
+    planner, upstream = Planner(), ReferenceUpstream()
+    conv = [{"role": "user", "content": "x"}]
+    for text in ("y", "z"):
+        _, response, _ = send(planner, upstream, "k", conv, assistant_output(1))
+        conv = conv + response["output"] + [{"role": "user", "content": text}]
+    planner.take_writes()
+    plan = planner.plan(request(conv, "k"))
+    assert planner.settle(plan, 500, None).kind == "retry"  # a changed request: the glue retries it
     assert [(w.key, w.value) for w in planner.take_writes()] == [(plan.parent, None)]
+    assert planner.plan(request(conv, "k")).action == "continue"  # from an older ancestor, which may be there
 
 
 def test_entries_and_marks_expire():

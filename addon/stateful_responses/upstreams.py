@@ -11,7 +11,7 @@ echoed the id, or billed more input than it was sent), ``refuses_previous``
 (refused or ignored a ``previous_response_id``), ``has_conversations`` (it
 answered the Conversations API as the API does), ``lacks_conversations``
 (it answered a Conversations endpoint 404/405, refused the ``conversation``
-field or ignored it), ``serves_responses`` (of a host, its scope made without
+field or echoed another conversation, or none, in its place), ``serves_responses`` (of a host, its scope made without
 a credential: it answered a Responses request, so its ``/conversations`` are
 the Responses API's) and ``refuses_websocket`` (its sockets are no use:
 it refused the WebSocket upgrade or never answered it, closed sockets
@@ -40,6 +40,9 @@ MARK_KINDS = frozenset(MarkKind.__args__)  # type: ignore[attr-defined]
 # Answers that say "not now", not "not this": the client's SDK retries them and
 # the same answer would have come without the addon, so they teach nothing.
 TRANSIENT_STATUSES = frozenset({408, 425, 429})
+# Answers that say the upstream (or a gateway before it) is unavailable, whatever the body: no retry of ours with
+# another body can help there (the router fails over, the client's SDK retries).
+UNAVAILABLE_STATUSES = frozenset({502, 503, 504})
 
 
 # Input that costs tokens without bytes on the wire: a file or an image by reference.

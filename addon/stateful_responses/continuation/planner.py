@@ -26,7 +26,7 @@ from ..request_reader import Reader, Reading, Request, Skip, splice
 from ..settings import Config, Settings
 from ..state.outbox import Outbox, Write
 from ..tenancy import Tenancy
-from ..upstreams import TRANSIENT_STATUSES, Upstreams, echo_verdict
+from ..upstreams import TRANSIENT_STATUSES, UNAVAILABLE_STATUSES, Upstreams, echo_verdict
 from .prefixes import ENTRIES, REFS, Match, PrefixStore, StoredEntry, encode_entry
 
 Action = Literal["pass", "full", "continue"]
@@ -367,8 +367,11 @@ class Planner:
         if not plan.tracked:
             return self._observe(plan, status_code, response)
         if status_code >= 400:
-            self._forget_parent(plan)
-            if 400 <= status_code < 500 and plan.changed:
+            if status_code < 500:
+                self._forget_branch(plan)  # a refusal: the upstream lost the chain (or never had it)
+            else:
+                self._forget_parent(plan)
+            if plan.changed and status_code not in UNAVAILABLE_STATUSES:  # a 500 too: the change may be why
                 return Outcome("retry", f"upstream answered {status_code} to a changed request")
             return Outcome("dropped", f"upstream answered {status_code}")
         if not isinstance(response, dict):
@@ -402,8 +405,8 @@ class Planner:
                            "until the upstream shows it read the chain", rid)
         stored = response.get("store")
         if not isinstance(stored, bool):
-            if not self.upstreams.has("honours_previous", plan.scope):
-                return Outcome("ignored", "the answer does not say it stored the response", rid)
+            # An answer that does not say (agentic-api's) is taken as asked: nothing is continued from it before
+            # a GET proves the upstream reads stored responses back, nor trusted before an echo shows the chain read.
             stored = plan.asked_store
         if not stored:
             if plan.asked_store:
@@ -466,6 +469,17 @@ class Planner:
         if plan.parent is not None:
             self.store.forget(plan.parent)
             self._outbox.append(Write(ENTRIES, plan.parent, None))
+
+    def _forget_branch(self, plan: Plan) -> None:
+        """A continuation refused: every ancestor of its parent goes with it.
+        An upstream that lost one response (a restart, its retention) has lost
+        the older ones of the chain too, and the next turns would each be
+        continued from the next older one and refused again."""
+        if plan.parent is None or plan.sequence is None:
+            return
+        for digest in plan.sequence.digests[: plan.items_total - plan.items_sent]:
+            self.store.forget(digest)
+            self._outbox.append(Write(ENTRIES, digest, None))
 
     def retried(self, plan: Plan, status_code: int) -> None:
         """Our retry with the client's original body got ``status_code``. If

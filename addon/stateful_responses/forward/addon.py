@@ -24,6 +24,7 @@ from ..flows import (
     CLIENT_BODY,
     CONVERSATION,
     DECISION,
+    EMULATION,
     HELD,
     RETRY_OF,
     WITHHELD,
@@ -41,7 +42,7 @@ from ..replays import Replays
 from ..answer_reader import AnswerReader
 from ..state.access import StateAccess
 from ..tenancy import credential_material
-from ..upstreams import TRANSIENT_STATUSES
+from ..upstreams import TRANSIENT_STATUSES, UNAVAILABLE_STATUSES
 from ..continuation.planner import Outcome, Plan, Planner, plan_summary
 from ..continuation.prefixes import ENTRIES, REFS, entries_found
 
@@ -281,7 +282,7 @@ class ForwardMode:
             if pending is None:
                 return
             status = flow.response.status_code
-            if 400 <= status < 500 and pending.plan.changed and status not in TRANSIENT_STATUSES:
+            if status >= 400 and pending.plan.changed and status not in TRANSIENT_STATUSES | UNAVAILABLE_STATUSES:
                 # Buffered, whatever stream_large_bodies says: the response hook
                 # replaces this refusal before the client sees it.
                 hold(flow)
@@ -411,6 +412,21 @@ class ForwardMode:
         self.planner.counters.retries += 1
         self._debug("retrying with the original body after %d: %s", rejected, why)
         answer, failure = await self.replays.send(flow, pending.original, f"original body after {rejected}: {why}")
+        client_body = flow.metadata.get(CLIENT_BODY)
+        if failure is None and answer.status_code >= 400 \
+                and answer.status_code not in TRANSIENT_STATUSES | UNAVAILABLE_STATUSES \
+                and (flow.metadata.get(EMULATION) or {}).get("expanded") is True \
+                and self.planner.upstreams.continuable(pending.plan.scope) \
+                and client_body is not None and client_body != pending.original.raw_content:
+            # What forward mode was handed, a chain store emulation expanded, failed too: the client's own body
+            # goes, and its answer is the client's (only where the upstream continues chains: one that ignores
+            # previous_response_id would answer it without the history).
+            own = pending.original.copy()
+            own.raw_content = client_body
+            if "content-length" in own.headers:
+                own.headers["content-length"] = str(len(client_body))
+            answer, failure = await self.replays.send(flow, own, f"the client's own body after {rejected} "
+                                                      f"and {answer.status_code}")
         flow.response = answer
         flow.marked = ":warning:"
         summary = plan_summary(pending.plan)

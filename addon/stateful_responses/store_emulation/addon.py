@@ -10,7 +10,7 @@ the field.
   credential has proved it reads stored responses back and the turn was
   stored there; otherwise the proxy expands the chain into full history. A
   refusal that names the id is retried invisibly with the chain expanded,
-  streams included.
+  streams included; a failure of the expansion, with the client's own body.
 * ``always``: the proxy is the store for what it recorded: such a
   ``previous_response_id`` never reaches the upstream, ``item_reference``s to
   recorded items are expanded, and retrieve / input_items / delete of a
@@ -19,7 +19,8 @@ the field.
 
 In either mode a DELETE of a recorded response deletes the record's copy and
 goes upstream too (the upstream may hold one); it is answered as done only
-once the store took it.
+once the store took it, and in ``auto`` mode only where the upstream did not
+refuse it (then its copy stays, and the client gets its answer).
 
 A turn is recorded only if the client did not send ``store: false``, and its
 answer reaches the client whole only once the record is written (bounded by
@@ -46,6 +47,7 @@ from ..counters import Counters
 from ..flows import (
     CLIENT_BODY,
     CONVERSATION,
+    DECISION,
     EMULATION,
     HELD,
     RETRY_OF,
@@ -67,7 +69,7 @@ from ..answer_reader import AnswerReader
 from ..state.access import StateAccess
 from ..state.storage import StorageError
 from ..tenancy import Tenancy, credential_material
-from ..upstreams import TRANSIENT_STATUSES, Upstreams, echo_verdict
+from ..upstreams import TRANSIENT_STATUSES, UNAVAILABLE_STATUSES, Upstreams, echo_verdict
 from .conversations import (
     ApiError,
     Call,
@@ -75,6 +77,7 @@ from .conversations import (
     Conversations,
     Echo,
     background_refused,
+    echoed_conversations,
     listed,
     mutually_exclusive,
     named,
@@ -245,7 +248,8 @@ class StoreEmulation:
             return  # the record is out of reach: the request goes as the client sent it
         except ChainError as e:
             unknown_here = e.code == "previous_response_not_found" and e.previous_response_id is None
-            if self.mode == "always" and not (unknown_here and self.upstreams.continuable(record.scope)):
+            if self.mode == "always" and not (unknown_here and self.upstreams.continuable(record.scope)
+                                              and not await self._deleted_here(record)):
                 flow.response = _json_response(400, e.body)
                 flow.comment = f"emulated: {e.code} for {previous}"
                 flow.metadata[EMULATION] = {"previous_response_id": previous, "error": e.code}
@@ -357,9 +361,9 @@ class StoreEmulation:
             return
         try:
             turn = await self._target(record)
-            if turn is None:
+            if turn is None and not (self.mode == "always" and await self._deleted_here(record)):
                 return  # never recorded here: the upstream's to answer
-            if turn.header.status != "completed":
+            if turn is None or turn.header.status != "completed":
                 answer = _not_found(response_id)  # deleted through the proxy
             elif listing:
                 answer = await self._input_items(record.tenant, turn, dict(parse_qsl(url.query)))
@@ -381,6 +385,15 @@ class StoreEmulation:
             turn = await self.history.turn(record.tenant, record.previous_response_id, self.state.get_strict,
                                            fresh=True)
         return turn
+
+    async def _deleted_here(self, record: _Flow) -> bool:
+        """Whether the client deleted the id through the proxy (False when
+        the store cannot say)."""
+        assert record.previous_response_id is not None
+        try:
+            return await self.history.deleted_lately(record.tenant, record.previous_response_id, self.state.get_strict)
+        except StorageError:
+            return False
 
     async def _delete(self, flow: http.HTTPFlow, record: _Flow) -> None:
         """Delete a response wherever it may live, in either mode: the record's
@@ -411,14 +424,20 @@ class StoreEmulation:
 
     async def _answer_delete(self, flow: http.HTTPFlow, record: _Flow) -> None:
         """The client's answer to a DELETE the record holds, or may hold: the
-        record's own once its deletion is durable (ANSWER_WAIT at most),
-        whatever the upstream said (it may never have stored the response, or
-        forgot it). A deletion the store did not take is never answered as
-        done: an upstream's "deleted" or "not found" becomes the proxy's 503
-        (SDKs retry it); any other answer is the upstream's own."""
+        record's own once its deletion is durable (ANSWER_WAIT at most), where
+        the upstream deleted it too or never had it (404), and in ``always``
+        mode, where the proxy serves the only copy it answers for (it never
+        serves that id again). In ``auto`` mode an upstream that refused
+        (agentic-api's 405) still serves its copy: the client gets its answer.
+        A deletion the store did not take is never answered as done: an
+        upstream's "deleted" or "not found" becomes the proxy's 503 (SDKs
+        retry it); any other answer is the upstream's own."""
         assert flow.response is not None and record.deleting is not None
         response_id, status = record.deleting, flow.response.status_code
-        if record.deletion_queued and await self.state.written(record.written, ANSWER_WAIT, through_outage=True):
+        if self.mode != "always" and status >= 300 and status != 404:
+            flow.metadata[EMULATION] = {"deleting": response_id, "upstream_refused": status}
+            flow.comment = f"emulated: DELETE {response_id}: the upstream refused it ({status}), as the client learns"
+        elif record.deletion_queued and await self.state.written(record.written, ANSWER_WAIT, through_outage=True):
             flow.response = _deleted(response_id)
             flow.metadata[EMULATION] = {"deleted": response_id}
             flow.comment = f"emulated: DELETE {response_id} deleted from the record (the upstream answered {status})"
@@ -475,7 +494,7 @@ class StoreEmulation:
             return
         try:
             status = flow.response.status_code
-            if record.deleting is not None or \
+            if record.deleting is not None or self._falls_back(flow, record) or \
                     self._retryable(flow, record) and 400 <= status < 500 and status not in TRANSIENT_STATUSES:
                 hold(flow)  # the response hook may replace it
                 return
@@ -512,6 +531,9 @@ class StoreEmulation:
             if self._retryable(flow, record) and _refused(flow, record):
                 retried_here = True
                 await self._retry_expanded(flow, record)
+            elif self._falls_back(flow, record):
+                retried_here = True
+                await self._retry_as_sent(flow, record)
             elif record.deleting is not None:
                 await self._answer_delete(flow, record)
             elif not record.recorded and flow.response.status_code < 300 and record.record_turn:
@@ -553,6 +575,36 @@ class StoreEmulation:
         """A client's own previous_response_id sent as it is (auto mode)."""
         return (flow.metadata.get(RETRY_OF) is None and record.expanded is None
                 and record.previous_response_id is not None and flow.request.method.upper() == "POST")
+
+    def _falls_back(self, flow: http.HTTPFlow, record: _Flow) -> bool:
+        """A failure answer (a 500 too; not a "not now" or "unavailable") to a chain the
+        proxy expanded, which forward mode did not change further (it retries
+        its own changes, and the client's body last): the client's own body
+        goes again, so that no error the expansion caused reaches it. Only to
+        an upstream + credential that proved it continues a chain: one that
+        ignores the field would answer without the history."""
+        assert flow.response is not None
+        status = flow.response.status_code
+        decision = flow.metadata.get(DECISION) or {}
+        forward_changed = decision.get("action") == "continue" or decision.get("forced_store") is True
+        return (flow.metadata.get(RETRY_OF) is None and record.expanded is not None and not forward_changed
+                and status >= 400 and status not in TRANSIENT_STATUSES | UNAVAILABLE_STATUSES
+                and self.upstreams.continuable(record.scope))
+
+    async def _retry_as_sent(self, flow: http.HTTPFlow, record: _Flow) -> None:
+        """The expanded chain failed: send the client's own body, whose
+        answer (recorded as any) is the client's."""
+        assert flow.response is not None
+        failed = flow.response.status_code
+        record.expanded = None  # the retry carries the client's previous_response_id: its echo is judged
+        answer, failure = await self.replays.send(flow, record.client, f"the client's own body after {failed}")
+        flow.response = answer
+        flow.marked = ":warning:"
+        flow.metadata[EMULATION] = {"previous_response_id": record.previous_response_id, "expanded": False,
+                                    "retried_after": failed}
+        flow.comment = (f"emulated: upstream answered {failed} to {record.previous_response_id} expanded; "
+                        + ("retried with the client's own body" if failure is None else
+                           f"the retry failed ({failure}): answered 502"))
 
     async def _retry_expanded(self, flow: http.HTTPFlow, record: _Flow) -> None:
         """The upstream refused the client's previous_response_id (it forgot
@@ -617,7 +669,9 @@ class StoreEmulation:
             elif verdict == "undecided":
                 self.proofs.start_echo(flow, record.scope, record.label, record.upstream, response["id"],
                                        len(record.raw_input))
-        stored_upstream = stored is True or (stored is None and verdict == "honoured")
+        # An answer that does not say (agentic-api's) was stored where its request asked for it, or where it
+        # continued a chain: the GET of the proof below shows whether the upstream really keeps it.
+        stored_upstream = stored is True or (stored is None and (verdict == "honoured" or _asks_to_store(flow)))
         due = self.history.record(record.tenant, response=response, previous_response_id=record.previous_response_id,
                                   raw_input=record.raw_input, stored_upstream=stored_upstream)
         record.written = self.state.flush()
@@ -653,6 +707,21 @@ def _withheld(flow: http.HTTPFlow) -> bool:
 def _length(response: http.Response) -> int | None:
     length = response.headers.get("content-length", "")
     return int(length) if length.isdigit() else None
+
+
+class _Store(msgspec.Struct):
+    store: object = None
+
+
+_STORE = msgspec.json.Decoder(_Store)
+
+
+def _asks_to_store(flow: http.HTTPFlow) -> bool:
+    """Whether the body the upstream was sent says ``store: true``."""
+    try:
+        return _STORE.decode(flow.request.get_content(strict=False) or b"").store is True
+    except (msgspec.DecodeError, ValueError):
+        return False
 
 
 def _refused(flow: http.HTTPFlow, record: _Flow) -> bool:
@@ -716,8 +785,9 @@ class ConversationEmulation:
     upstream. ``auto``: a conversation the proxy keeps is the proxy's; any
     other request passes upstream until that upstream + credential shows it
     lacks the API (a 404/405 from an endpoint, a refusal naming
-    ``conversation``, an answer that does not echo it), and that answer is
-    replaced by the proxy's own, invisibly, from then on for every request.
+    ``conversation``, an answer whose echo names no conversation), and from
+    then on every request is the proxy's; a failure answer that showed it is
+    replaced by the proxy's own, invisibly, an answer that succeeded stands.
     Listed before StoreEmulation, which then records the expanded request as
     any full-history one (retrieve, input_items and ``previous_response_id``
     work on it), and ForwardMode, which may send it as a delta."""
@@ -1055,7 +1125,8 @@ class ConversationEmulation:
     async def _judge(self, flow: http.HTTPFlow, record: _InConversation, call: Call) -> None:
         """The upstream's answer to a request about a conversation the proxy
         does not keep: does that upstream + credential have the API? If it
-        lacks it, the proxy takes over: the answer is the proxy's own."""
+        lacks it, the proxy takes over: a failure answer is replaced by the
+        proxy's own, an answer that succeeded stands."""
         assert flow.response is not None
         status = flow.response.status_code
         if status in TRANSIENT_STATUSES or status >= 500:
@@ -1067,8 +1138,7 @@ class ConversationEmulation:
             answer = reader.finish()
             if not isinstance(answer, dict):
                 return  # no response to read (a gateway's page, a stream cut short): says nothing about the API
-            echoed = answer.get("conversation")
-            has = call.conversation_id in (echoed.get("id") if isinstance(echoed, dict) else None, echoed)
+            has = call.conversation_id in echoed_conversations(answer)  # none, or null: the field was dropped
         elif status < 300:
             has = True
         elif status == 404 and (f"Conversation with id '{call.conversation_id}'".encode() in body
@@ -1088,6 +1158,8 @@ class ConversationEmulation:
             logger.info("stateful-responses: %s lacks the Conversations API (%d); the proxy keeps conversations "
                         "for it from now on", record.label, status)
         self.state.flush()
+        if status < 300:
+            return  # an answer that succeeded stands: only later requests are the proxy's
         if call.endpoint == "create":
             await self._answer(flow, record, call)
         else:

@@ -87,6 +87,19 @@ class ApiError(Exception):
         self.body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
 
 
+def echoed_conversations(answer: Mapping) -> list[object]:
+    """What a response's answer names as its conversation, in each spelling an
+    upstream uses: OpenAI's ``conversation`` (an object with an ``id``, or the
+    id), agentic-api's ``conversation_id``. Empty when it has no such field;
+    a field that is null names None."""
+    names: list[object] = []
+    for key in ("conversation", "conversation_id"):
+        if key in answer:
+            echoed = answer[key]
+            names.append(echoed.get("id") if isinstance(echoed, dict) else echoed)
+    return names
+
+
 def not_found(conversation_id: object) -> ApiError:
     return ApiError(404, f"Conversation with id '{conversation_id}' not found.")
 

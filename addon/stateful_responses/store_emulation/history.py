@@ -36,7 +36,6 @@ from .walk import ChainError, Link, not_found, walk
 
 GetRecords = Callable[[str, Sequence[bytes]], Awaitable[Mapping[bytes, bytes]]]
 RENEW_SLACK = 86400.0  # at most a day: see History.slack
-DELETED_FOR = 3600.0  # how long a deletion is remembered (no content: that it was), for a DELETE retried
 _ENCODE = msgspec.json.Encoder(decimal_format="number").encode
 
 
@@ -263,7 +262,7 @@ class History:
         if turn is None:
             return False
         relied_on = await get(DEPENDENTS, [turn.key])
-        self._outbox.append(Write(DELETIONS, tenant.deletion_key(response_id), b"", DELETED_FOR))
+        self._outbox.append(Write(DELETIONS, tenant.deletion_key(response_id), b"", self.ttl))
         if relied_on:
             self._outbox.append(Write(TURNS, turn.key, tenant.deleted(turn.header, turn.body, turn.key), self.ttl))
         else:
@@ -285,15 +284,16 @@ class History:
                     self._outbox.append(Write(ITEM_IDS, key, None))
 
     async def deleted_lately(self, tenant: Tenant, response_id: str, get: GetRecords) -> bool:
-        """Whether a client deleted the response through the proxy within
-        DELETED_FOR (its mark holds no content, only that it was), so that a
-        DELETE retried after the proxy's 503, or sent again through another
-        replica, is answered as done. A mark found is written again: an answer
-        that waits for that write waits for the deletion too (writes land in
-        order)."""
+        """Whether a client deleted the response through the proxy (its mark
+        holds no content, only that it was; it lives as long as the record
+        would have), so that a DELETE retried after the proxy's 503, or sent
+        again through another replica, is answered as done, and ``always``
+        mode never serves the id again. A mark found is written again: an
+        answer that waits for that write waits for the deletion too (writes
+        land in order)."""
         if not await get(DELETIONS, tenant.deletion_keys(response_id)):
             return False
-        self._outbox.append(Write(DELETIONS, tenant.deletion_key(response_id), b"", DELETED_FOR))
+        self._outbox.append(Write(DELETIONS, tenant.deletion_key(response_id), b"", self.ttl))
         return True
 
     async def _remove_own(self, tenant: Tenant, turn: Turn, get: GetRecords) -> None:
