@@ -702,3 +702,20 @@ async def test_in_transparent_mode_two_names_at_one_address_never_share_a_socket
             history += [*answer.json()["output"], {"role": "user", "content": "and the other name?"}]
         assert len(bridge.pool) == 2
         assert [r["continued"] for r in emulator.model.snapshot_log()] == [False, False]
+
+
+def test_a_live_conversation_stored_upstream_gives_its_socket_where_stored_responses_are_read_back():
+    """Its next turn goes on from storage on any socket; a memory only its socket holds (store: false) is kept."""
+    p, clock = pool(max_per_scope=2)
+    stored = opened(p, tip=tip_of({**RESPONSE, "id": "resp_stored", "store": True}))
+    clock.now += 1
+    memory_only = opened(p, tip=tip_of({**RESPONSE, "id": "resp_memory", "store": False}))
+    assert (stored.tip.stored, memory_only.tip.stored) == (True, False)
+    newcomer = digests([{"role": "user", "content": "another conversation"}])
+    assert p.choose("s", ROOT, newcomer, {}) == Declined("live")  # not proven readable: both kept
+    choice = p.choose("s", ROOT, newcomer, {}, hydrates=True)
+    assert choice.held is stored and choice.continued is None
+    p.release(choice.held, None)
+    p.release(p.choose("s", ROOT, newcomer, {}).held, tip_of({**RESPONSE, "id": "resp_2"}))  # store unsaid
+    assert p.choose("s", ROOT, digests([{"role": "user", "content": "a third"}]), {}, hydrates=True) \
+        == Declined("live")

@@ -228,7 +228,8 @@ class WebSocketBridge:
         target = target_of(flow.request)
         # One address (transparent mode's upstream) may serve several names, each reached with the same
         # credential: a socket serves only the name, path and query it was opened to.
-        choice = self.pool.choose(f"{scope}\x00{target.url}", root, reading.digests, references)
+        choice = self.pool.choose(f"{scope}\x00{target.url}", root, reading.digests, references,
+                                  hydrates=self.upstreams.has("reads_back", scope))
         self._close(self.pool.take_closing())
         if isinstance(choice, Declined):
             if choice.reason == "live":

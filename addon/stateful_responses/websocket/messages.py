@@ -160,6 +160,7 @@ class Tip:
     length: int
     response_id: str
     outputs: tuple[tuple[str, bytes], ...] = ()
+    stored: bool = False  # the upstream said it stored the response: any socket can continue it, not this one alone
 
     def extended_by(self, root: bytes, digests: list[bytes], references: dict[bytes, str]) -> bool:
         """Whether a request's items strictly extend this sequence."""
@@ -234,7 +235,7 @@ def tip_after(root: bytes, digests: list[bytes], response: msgspec.Raw | None, d
     kept.update((item["id"], digest) for item, digest in zip(output, output_digests, strict=True)
                 if isinstance(item.get("id"), str))
     outputs = tuple(kept.items())[-MAX_REMEMBERED_OUTPUTS:]
-    return Tip(root, sequence.digests[-1], len(sequence.items), answer["id"], outputs)
+    return Tip(root, sequence.digests[-1], len(sequence.items), answer["id"], outputs, answer.get("store") is True)
 
 
 class _Echo(msgspec.Struct):

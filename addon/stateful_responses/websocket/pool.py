@@ -7,8 +7,11 @@ completed response (its ``Tip``, under a namespace root that adds the model).
 A turn takes the idle socket whose tip its history strictly extends (the
 deepest), else one that remembers nothing, else a new socket while the scope
 has fewer than ``max_per_scope``, else the least recently used idle socket
-whose tip is stale (its memory is replaced), else none: it goes over HTTP
-(``Declined``). A live tip is never replaced: with more conversations than
+whose tip is stale (its memory is replaced), else, where the upstream +
+credential reads stored responses back (``hydrates``), the least recently used
+one whose tip is stored (its conversation goes on from storage on any socket,
+by ``previous_response_id``), else none: it goes over HTTP (``Declined``).
+A live tip held by this socket alone is never replaced: with more conversations than
 sockets, replacing the memory the next turn needs makes every turn whole (the
 pool thrashes), while leaving the sockets to the conversations that hold them
 keeps those continued and sends the others over HTTP, where forward mode
@@ -97,10 +100,11 @@ class Pool:
         return list(self._scopes.get(scope, ()))
 
     def choose(self, scope: str, root: bytes, digests: list[bytes],
-               references: dict[bytes, str]) -> Choice | Declined:
+               references: dict[bytes, str], hydrates: bool = False) -> Choice | Declined:
         """The socket for a turn of ``scope`` whose history is ``digests``
-        (``references``: which of them are item references, and to what id).
-        Connections found expired on the way wait in ``take_closing``."""
+        (``references``: which of them are item references, and to what id;
+        ``hydrates``: the scope's upstream proved it reads stored responses
+        back). Connections found expired on the way wait in ``take_closing``."""
         now = self.clock()
         self._expire(scope, now)
         sockets = self._scopes.get(scope, [])
@@ -118,9 +122,10 @@ class Pool:
             self._scopes.setdefault(scope, []).append(held)
             self._total += 1
             return Choice(held, None, True)
-        stale = [h for h in idle if now - h.used >= self._live_for(h)]
-        if stale:
-            held = min(stale, key=lambda h: h.used)
+        replaceable = [h for h in idle if now - h.used >= self._live_for(h)] \
+            or [h for h in idle if hydrates and h.tip is not None and h.tip.stored]
+        if replaceable:
+            held = min(replaceable, key=lambda h: h.used)
             return Choice(self._take(held, now, anew=True), None, False)
         return Declined("live" if idle else "busy")
 
