@@ -63,7 +63,7 @@ def test_a_conversation_keeps_its_chain_across_the_sdks_retries_of_5xx_429_and_a
     proxy = start_proxy(emulator.url, "-w", str(flows_file))
     conv = Conversation(proxy.url)
     conv.client = conv.client.with_options(max_retries=2)  # the SDK's default retries, made quick below
-    faults = [{"kind": "status", "status": 500}, {"kind": "status", "status": 429}, {"kind": "reset"}, None]
+    faults = [{"kind": "status", "status": 503}, {"kind": "status", "status": 429}, {"kind": "reset"}, None]
     for n, fault in enumerate(faults):
         if fault:
             emulator.model.control({"fail_next": [fault]})  # the turn's first attempt fails, the SDK retries it
@@ -214,8 +214,8 @@ def test_a_turn_that_failed_over_to_another_upstream_is_recorded_as_the_client_g
         conv.turn("turn 0: hello")
         conv.turn("turn 1: more")
         home = next(u for u in upstreams if u.model.snapshot_log())
-        home.model.control({"fail_next": [{"kind": "status", "status": 500}]})
-        conv.turn("turn 2: the home upstream answers 500, the other one answers")
+        home.model.control({"fail_next": [{"kind": "status", "status": 503}]})  # a 500 is retried at home
+        conv.turn("turn 2: the home upstream answers 503, the other one answers")
         conv.turn("turn 3: and on")
         conv.close()
     finally:
