@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
-from harness import ROOT, free_port, wait_listening
+from harness import ROOT, LoopbackServer
 
 REQUIREMENTS = ROOT / "tests" / "agentic-api-requirements.txt"
 VERSION = re.search(r"^agentic-api==(\S+)$", REQUIREMENTS.read_text(), re.MULTILINE).group(1)
@@ -45,45 +44,14 @@ def server_environment(home: Path) -> dict[str, str]:
     return {**inherited, "HOME": str(home), "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
 
 
-class AgenticServer:
-    def __init__(self, upstream: str, directory: Path) -> None:
-        self.upstream = upstream
-        self.directory = directory
-        self.port = free_port()
-        self.process: subprocess.Popen | None = None
-        self.log_path = directory / "agentic-server.log"
-        directory.mkdir(parents=True, exist_ok=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+class AgenticServer(LoopbackServer):
+    name = "agentic-server"
 
     def start(self) -> None:
-        args = [str(agentic_server_binary()), "--llm-api-base", f"{self.upstream}/v1",
-                "--gateway-host", "127.0.0.1", "--gateway-port", str(self.port),
-                "--db-url", "sqlite::memory:", "--skip-llm-ready-check"]
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                            cwd=self.directory, env=server_environment(self.directory))
-        try:
-            wait_listening(self.port, self.process, "agentic-server", self.output, STARTUP_TIMEOUT)
-        except BaseException:
-            self.stop()
-            raise
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def stop(self) -> None:
-        process, self.process = self.process, None
-        if process is None:
-            return
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        self.launch([str(agentic_server_binary()), "--llm-api-base", f"{self.upstream}/v1",
+                     "--gateway-host", "127.0.0.1", "--gateway-port", str(self.port),
+                     "--db-url", "sqlite::memory:", "--skip-llm-ready-check"],
+                    server_environment(self.directory), STARTUP_TIMEOUT)
 
 
 @pytest.fixture

@@ -43,6 +43,50 @@ def wait_listening(port: int, process: subprocess.Popen, what: str,
     raise RuntimeError(f"{what} did not start listening:\n{output()}")
 
 
+class LoopbackServer:
+    """A gateway process in front of ``upstream``, on 127.0.0.1 and a free
+    port, its output in a log in ``directory``; stopped by ``stop``."""
+
+    name = "server"  # its log's name, and what errors call it
+
+    def __init__(self, upstream: str, directory: Path) -> None:
+        self.upstream = upstream
+        self.directory = directory
+        self.port = free_port()
+        self.process: subprocess.Popen | None = None
+        self.log_path = directory / f"{self.name}.log"
+        directory.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def launch(self, args: list[str], env: dict[str, str], timeout: float) -> None:
+        """Run ``args`` in ``directory`` until it listens (stopped again if it never does)."""
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                            cwd=self.directory, env=env)
+        try:
+            wait_listening(self.port, self.process, self.name, self.output, timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def mitmdump_binary(name: str = "mitmdump") -> str:
     candidate = Path(sys.executable).with_name(name)
     return str(candidate) if candidate.exists() else (shutil.which(name) or name)

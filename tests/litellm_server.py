@@ -15,11 +15,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
-from harness import ROOT, free_port, wait_listening
+from harness import ROOT, LoopbackServer
 
 REQUIREMENTS = ROOT / "tests" / "litellm-requirements.txt"
 VERSION = re.search(r"^litellm\[proxy\]==(\S+)$", REQUIREMENTS.read_text(), re.MULTILINE).group(1)
@@ -55,23 +54,12 @@ def gateway_environment() -> dict[str, str]:
     return {**inherited, **OFFLINE, "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
 
 
-class LiteLLMGateway:
+class LiteLLMGateway(LoopbackServer):
+    name = "litellm"
     native_model = "native"
     chat_bridge_model = "chat-bridge"
     provider_bridge_model = "provider-bridge"
     master_key = MASTER_KEY
-
-    def __init__(self, upstream: str, directory: Path) -> None:
-        self.upstream = upstream
-        self.directory = directory
-        self.port = free_port()
-        self.process: subprocess.Popen | None = None
-        self.log_path = directory / "litellm.log"
-        directory.mkdir(parents=True, exist_ok=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     @property
     def base_url(self) -> str:
@@ -95,31 +83,8 @@ class LiteLLMGateway:
     def start(self) -> None:
         config = self.directory / "config.yaml"
         config.write_text(json.dumps(self.config(), indent=2))  # JSON is YAML
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                [str(litellm_binary()), "--config", str(config), "--host", "127.0.0.1", "--port", str(self.port)],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                cwd=self.directory, env=gateway_environment(),
-            )
-        try:
-            wait_listening(self.port, self.process, "litellm", self.output, STARTUP_TIMEOUT)
-        except BaseException:
-            self.stop()
-            raise
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def stop(self) -> None:
-        process, self.process = self.process, None
-        if process is None:
-            return
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        self.launch([str(litellm_binary()), "--config", str(config), "--host", "127.0.0.1", "--port", str(self.port)],
+                    gateway_environment(), STARTUP_TIMEOUT)
 
 
 def start_litellm_gateway(upstream: str, directory: Path) -> LiteLLMGateway:
