@@ -87,21 +87,14 @@ def test_after_a_restart_the_first_request_of_a_running_conversation_continues(e
     assert (Path(confdir) / STORE_FILE).stat().st_mode & 0o777 == 0o600
 
 
-def test_kill_9_mid_stream_leaves_the_store_intact(emulator, start_proxy, tmp_path):
-    confdir = str(tmp_path / "confdir")
-    Path(confdir).mkdir()
-    first = start_proxy(emulator.url, confdir=confdir)
-    conv = Conversation(first.url, as_dicts=True)
-    for text in user_turns(3):
-        conv.turn(text)
-    emulator.model.control({"slow_ms": 200})
-    body = {"model": "gpt-test", "stream": True, "input": conv.history + [{"role": "user", "content": "cut"}]}
+def kill_9_mid_stream(proxy, body: dict) -> None:
+    """Stream ``body`` through ``proxy`` and kill -9 it once the client has bytes of the answer."""
     got_bytes = threading.Event()
 
     def stream_until_killed() -> None:
         with httpx.Client(trust_env=False, timeout=30) as c:
             try:
-                with c.stream("POST", first.url + "/v1/responses", json=body, headers=AUTH) as r:
+                with c.stream("POST", proxy.url + "/v1/responses", json=body, headers=AUTH) as r:
                     for _ in r.iter_raw():
                         got_bytes.set()
             except httpx.HTTPError:
@@ -110,8 +103,20 @@ def test_kill_9_mid_stream_leaves_the_store_intact(emulator, start_proxy, tmp_pa
     reader = threading.Thread(target=stream_until_killed)
     reader.start()
     assert got_bytes.wait(10)
-    first.kill()
+    proxy.kill()
     reader.join(10)
+
+
+def test_kill_9_mid_stream_leaves_the_store_intact(emulator, start_proxy, tmp_path):
+    confdir = str(tmp_path / "confdir")
+    Path(confdir).mkdir()
+    first = start_proxy(emulator.url, confdir=confdir)
+    conv = Conversation(first.url, as_dicts=True)
+    for text in user_turns(3):
+        conv.turn(text)
+    emulator.model.control({"slow_ms": 200})
+    kill_9_mid_stream(first, {"model": "gpt-test", "stream": True,
+                              "input": conv.history + [{"role": "user", "content": "cut"}]})
     emulator.model.control({"slow_ms": 0})
     start_proxy(emulator.url, confdir=confdir, port=first.port)
     before = len(log(emulator))
@@ -191,23 +196,7 @@ def test_proxies_sharing_one_sqlite_file_each_stopped_killed_and_restarted_lose_
     turns([0, 1, 2], 3)
 
     emulator.model.control({"slow_ms": 200})
-    got_bytes = threading.Event()
-
-    def stream_until_killed() -> None:
-        body = {"model": "gpt-test", "stream": True, "input": "cut short by kill -9"}
-        with httpx.Client(trust_env=False, timeout=30) as c:
-            try:
-                with c.stream("POST", proxies[2].url + "/v1/responses", json=body, headers=AUTH) as r:
-                    for _ in r.iter_raw():
-                        got_bytes.set()
-            except httpx.HTTPError:
-                pass
-
-    reader = threading.Thread(target=stream_until_killed)
-    reader.start()
-    assert got_bytes.wait(10)
-    proxies[2].kill()
-    reader.join(10)
+    kill_9_mid_stream(proxies[2], {"model": "gpt-test", "stream": True, "input": "cut short by kill -9"})
     emulator.model.control({"slow_ms": 0})
     assert _in_use(path)
     turns([0, 1], 2)
