@@ -640,15 +640,21 @@ def test_what_the_planner_learns_reaches_the_outbox_and_a_fresh_planner_continue
     assert second.plan(request(conv, "zdr")).action == "pass"
 
 
-def test_a_refused_continuation_forgets_its_whole_branch_in_the_store_too():
-    """An upstream that lost the parent (a restart) lost its ancestors too:
-    the next turn is not continued from an older one, refused again."""
-    planner, upstream = Planner(), ReferenceUpstream()
-    conv = [{"role": "user", "content": "x"}]
+def answered_twice(planner: Planner) -> list:
+    """A conversation of credential ``k`` after two stored answers, the writes taken: its next request continues."""
+    upstream, conv = ReferenceUpstream(), [{"role": "user", "content": "x"}]
     for text in ("y", "z"):
         _, response, _ = send(planner, upstream, "k", conv, assistant_output(1))
         conv = conv + response["output"] + [{"role": "user", "content": text}]
     planner.take_writes()
+    return conv
+
+
+def test_a_refused_continuation_forgets_its_whole_branch_in_the_store_too():
+    """An upstream that lost the parent (a restart) lost its ancestors too:
+    the next turn is not continued from an older one, refused again."""
+    planner = Planner()
+    conv = answered_twice(planner)
     plan = planner.plan(request(conv, "k"))
     assert plan.action == "continue"
     assert planner.settle(plan, 404, None).kind == "retry"
@@ -658,12 +664,8 @@ def test_a_refused_continuation_forgets_its_whole_branch_in_the_store_too():
 
 
 def test_a_server_error_to_a_continuation_forgets_only_its_parent():
-    planner, upstream = Planner(), ReferenceUpstream()
-    conv = [{"role": "user", "content": "x"}]
-    for text in ("y", "z"):
-        _, response, _ = send(planner, upstream, "k", conv, assistant_output(1))
-        conv = conv + response["output"] + [{"role": "user", "content": text}]
-    planner.take_writes()
+    planner = Planner()
+    conv = answered_twice(planner)
     plan = planner.plan(request(conv, "k"))
     assert planner.settle(plan, 500, None).kind == "retry"  # a changed request: the glue retries it
     assert [(w.key, w.value) for w in planner.take_writes()] == [(plan.parent, None)]
