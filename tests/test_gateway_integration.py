@@ -101,17 +101,23 @@ def test_a_previous_response_id_client_through_a_bridge_keeps_its_context(
     assert "internal error" not in proxy.output()
 
 
+def native_route_conversation(proxy, gateway, emulator, stream: bool) -> tuple[Conversation, list, list[bool]]:
+    """Twelve full-history turns through ``proxy`` to LiteLLM's native route, each request's context checked:
+    the client, what the emulator behind LiteLLM answered, and which of those were continued."""
+    conv = Conversation(proxy.url, api_key=gateway.master_key, model="native", stream=stream)
+    for text in user_turns(12):
+        conv.turn(text)
+    conv.close()
+    log = [r for r in emulator.model.snapshot_log() if r["protocol"] == "openai-responses"]
+    assert_context_preserved(conv.sent, log)
+    return conv, log, [r["continued"] for r in log]
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_a_full_history_client_through_the_native_route_keeps_its_savings(litellm_gateway, fresh_emulator,
                                                                            start_proxy, stream):
     proxy = start_proxy(litellm_gateway.url, "--set", "stateful_debug=true")
-    conv = Conversation(proxy.url, api_key=litellm_gateway.master_key, model="native", stream=stream)
-    for text in user_turns(12):
-        conv.turn(text)
-    conv.close()
-    log = [r for r in fresh_emulator.model.snapshot_log() if r["protocol"] == "openai-responses"]
-    assert_context_preserved(conv.sent, log)
-    continued = [r["continued"] for r in log]
+    conv, log, continued = native_route_conversation(proxy, litellm_gateway, fresh_emulator, stream)
     output = proxy.stop()
     saved = int(re.search(r"bytes_saved=(-?\d+)", output).group(1))
     client = sum(s.size for s in conv.sent)
@@ -131,13 +137,7 @@ def test_with_the_bridge_on_the_native_routes_unused_sockets_are_a_verdict_and_t
     """LiteLLM accepts the upgrade and closes the socket before any event: one turn finds it out, and
     forward mode (forcing store, as with the bridge off) continues every later one over HTTP."""
     proxy = start_proxy(litellm_gateway.url, "--set", "stateful_debug=true", upstream_websocket="auto")
-    conv = Conversation(proxy.url, api_key=litellm_gateway.master_key, model="native", stream=stream)
-    for text in user_turns(12):
-        conv.turn(text)
-    conv.close()
-    log = [r for r in fresh_emulator.model.snapshot_log() if r["protocol"] == "openai-responses"]
-    assert_context_preserved(conv.sent, log)
-    continued = [r["continued"] for r in log]
+    _, log, continued = native_route_conversation(proxy, litellm_gateway, fresh_emulator, stream)
     output = proxy.stop()
     print(f"\nnative route, bridge on, {'sse' if stream else 'json'}: {sum(continued)} of {len(log)} continued")
     assert len(log) >= 16 and continued == [False] + [True] * (len(log) - 1)
