@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from driver import Conversation, assert_context_preserved, user_turns
-from test_state_integration import Alternating
+from test_state_integration import Alternating, replica_stores
 
 
 @pytest.fixture
@@ -63,11 +63,7 @@ def test_after_a_restart_the_next_turn_is_continued_on_a_new_socket(emulator, br
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("store", ["redis", "redis-cluster"])
 def test_two_replicas_sharing_redis_continue_every_turn_after_the_first(emulator, bridged, request, store, stream):
-    if store == "redis-cluster":  # each replica names another node of the cluster
-        specs = [master.url for master in request.getfixturevalue("redis_cluster").masters[:2]]
-    else:
-        specs = [request.getfixturevalue("redis_server").url] * 2
-    proxies = [bridged("--set", f"stateful_store={spec}") for spec in specs]
+    proxies = [bridged("--set", f"stateful_store={spec}") for spec in replica_stores(request, store)]
     client = Alternating(proxies, stream=stream)
     client.turns(user_turns(8))
     client.close()

@@ -126,16 +126,21 @@ def test_kill_9_mid_stream_leaves_the_store_intact(emulator, start_proxy, tmp_pa
     assert sqlite3.connect(Path(confdir) / STORE_FILE).execute("PRAGMA integrity_check").fetchone() == ("ok",)
 
 
+def replica_stores(request, store: str, tmp_path: Path | None = None) -> list[str]:
+    """Two replicas' ``stateful_store`` for one shared ``store``: a redis-server, a Cluster (each replica names
+    another node of it) or an SQLite file in ``tmp_path``."""
+    if store == "redis-cluster":
+        return [master.url for master in request.getfixturevalue("redis_cluster").masters[:2]]
+    spec = request.getfixturevalue("redis_server").url if store == "redis" else f"sqlite:{tmp_path / 'shared.db'}"
+    return [spec, spec]
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("store", ["redis", "redis-cluster", "sqlite"])
 def test_replicas_sharing_a_store_continue_every_request_of_a_client_alternating_between_them(
         emulator, start_proxy, tmp_path, request, store, stream):
-    if store == "redis-cluster":  # each replica names another node of the cluster
-        specs = [master.url for master in request.getfixturevalue("redis_cluster").masters[:2]]
-    else:
-        spec = request.getfixturevalue("redis_server").url if store == "redis" else f"sqlite:{tmp_path / 'shared.db'}"
-        specs = [spec, spec]
-    proxies = [start_proxy(emulator.url, "--set", f"stateful_store={spec}") for spec in specs]
+    proxies = [start_proxy(emulator.url, "--set", f"stateful_store={spec}")
+               for spec in replica_stores(request, store, tmp_path)]
     client = Alternating(proxies, stream=stream)
     client.turns(user_turns(8))
     client.close()
