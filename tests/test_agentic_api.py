@@ -86,6 +86,16 @@ class Agent:
         self.client.close()
 
 
+def six_exact_turns(proxy, emulator, *, chained: bool, stream: bool = False) -> Agent:
+    """Six turns of an agent through ``proxy``, each one's context checked; the agent, closed."""
+    agent = Agent(proxy.url, chained=chained, stream=stream)
+    for text in user_turns(6):
+        agent.turn(text)
+    agent.close()
+    assert_every_turn_exact(agent, emulator)
+    return agent
+
+
 def assert_every_turn_exact(agent: Agent, emulator) -> None:
     """The model server's context for each answer the client got is the whole
     context the client meant (its chain; or its full history, whose items it
@@ -126,11 +136,7 @@ def test_a_previous_response_id_client_in_auto_mode_is_continued_by_agentic_api(
     serves them) and nothing is expanded; every request is answered once."""
     counter = Relay(start_proxy, agentic_server.url, tmp_path)
     proxy = start_proxy(counter.url, "--set", "stateful_emulate=auto", "--set", "stateful_debug=true")
-    agent = Agent(proxy.url, chained=True, stream=stream)
-    for text in user_turns(6):
-        agent.turn(text)
-    agent.close()
-    assert_every_turn_exact(agent, emulator)
+    agent = six_exact_turns(proxy, emulator, chained=True, stream=stream)
     output = proxy.stop()
     assert "expanded" not in output and "internal error" not in output
     assert counter.responses("POST") == len(agent.meant)
@@ -145,11 +151,7 @@ def test_a_previous_response_id_client_in_always_mode_keeps_its_context(agentic_
     before the client has the answer): it never resends the chain's item ids,
     which agentic-api would refuse (its 500)."""
     proxy = start_proxy(agentic_server.url, "--set", "stateful_emulate=always", "--set", "stateful_debug=true")
-    agent = Agent(proxy.url, chained=True, stream=stream)
-    for text in user_turns(6):
-        agent.turn(text)
-    agent.close()
-    assert_every_turn_exact(agent, emulator)
+    agent = six_exact_turns(proxy, emulator, chained=True, stream=stream)
     output = proxy.stop()
     assert "internal error" not in output and "retries=0 " in output
     # all but the first (a proof slowed past its 2 s wait on a loaded machine may send one more whole)
@@ -216,11 +218,7 @@ def test_a_full_history_client_over_agentic_apis_websocket_mode(agentic_server, 
     """The bridge (on by default) holds a socket to agentic-api's WebSocket
     mode and continues each turn from the socket's own memory."""
     proxy = start_proxy(agentic_server.url, "--set", "stateful_debug=true", upstream_websocket="auto")
-    agent = Agent(proxy.url, chained=False)
-    for text in user_turns(6):
-        agent.turn(text)
-    agent.close()
-    assert_every_turn_exact(agent, emulator)
+    agent = six_exact_turns(proxy, emulator, chained=False)
     output = proxy.stop()
     turns = int(re.search(r"websocket_turns=(\d+)", output).group(1))
     print(f"\nagentic-api's WebSocket mode: {turns} of {len(agent.meant)} requests bridged")
