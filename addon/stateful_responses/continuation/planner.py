@@ -21,7 +21,7 @@ from blake3 import blake3
 
 from ..bounded import Bounded
 from ..counters import Counters
-from ..items import Ambiguous, ItemSequence, item_digest
+from ..items import Ambiguous, ItemSequence, is_compaction_trigger, item_digest
 from ..request_reader import Reader, Reading, Request, Skip, splice
 from ..settings import Config, Settings
 from ..state.outbox import Outbox, Write
@@ -185,6 +185,10 @@ class Planner:
             return plan
         if not digests:
             return Plan("pass", "input has no items", upstream, model)
+        if raw_items and any(map(is_compaction_trigger, raw_items)):
+            # It must stay the last item of what it compacts, never stored (a forced store is refused by the
+            # ChatGPT backend), never split into previous_response_id + a tail; its answer starts a new window.
+            return Plan("pass", "a compaction trigger", upstream, model, scope, label)
         if client_store is False and not s.force_store:
             return Plan("pass", "client sent store:false", upstream, model)
         now = self.config.clock()
