@@ -191,6 +191,7 @@ class Compaction:
             self._pending.put(flow, _Pending("items", reading.scope, reading.label, tenant, reading.model, []))
 
     def _refuse(self, flow: http.HTTPFlow, error: core.ApiError) -> None:
+        _answered_here(flow)
         flow.response = _json_response(error.status, error.body)
         flow.metadata[COMPACTION] = {"refused": error.body["error"]["code"]}
         flow.comment = f"compaction: refused ({error.body['error']['code']})"
@@ -200,6 +201,7 @@ class Compaction:
     async def _answer(self, flow: http.HTTPFlow, pending: _Pending, upstream_status: int | None = None) -> None:
         """Compact the window with the upstream's own model and answer in the
         API's shape; the summary request's failure is the client's answer."""
+        _answered_here(flow)
         request = flow.request.copy()
         path, _, query = request.path.partition("?")
         path = path.rstrip("/").removesuffix("/compact")
@@ -302,6 +304,11 @@ class Compaction:
     def _debug(self, msg: str, *args) -> None:
         if self.config.settings.debug:
             logger.info("stateful-responses: " + msg, *args)
+
+
+def _answered_here(flow: http.HTTPFlow) -> None:
+    """The proxy answers this flow: forward mode and the bridge have nothing to plan or send."""
+    flow.metadata.setdefault(DECISION, {"action": "pass", "reason": "answered by the proxy's compaction"})
 
 
 def _field(fields: dict, name: str) -> Any:

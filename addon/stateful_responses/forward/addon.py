@@ -179,8 +179,8 @@ class ForwardMode:
         if flow.request.method.upper() == "GET":
             self._watch_poll(flow)
             return
-        if DECISION in flow.metadata or flow.request.raw_content is None or flow.response is not None:
-            return  # planned while streamed, streamed past the addon, or answered by the proxy
+        if DECISION in flow.metadata or flow.request.raw_content is None:
+            return  # planned while streamed, or streamed past the addon
         await self.state.ready()
         try:
             if self._may_rewrite(flow.request):
