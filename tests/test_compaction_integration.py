@@ -159,6 +159,21 @@ def test_the_trigger_stays_last_and_is_never_replayed(emulator, start_proxy):
     assert len(creates(emulator)[-1]["context"]) == 4
 
 
+def test_server_side_compaction_passes_and_its_chain_starts_at_the_compaction(emulator, start_proxy):
+    """``context_management`` goes to the upstream that honours it; the
+    chain store emulation keeps continues from the compaction item it made."""
+    emulator.model.control({"stateless": "reject"})
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always")
+    first = post(proxy, {"model": MODEL, "input": [user("one " * 50)]}).json()
+    managed = {"model": MODEL, "input": [user("two")], "previous_response_id": first["id"],
+               "context_management": [{"type": "compaction", "compact_threshold": 10}]}
+    second = post(proxy, managed).json()
+    assert [o["type"] for o in second["output"]] == ["compaction", "message"]
+    third = post(proxy, {"model": MODEL, "input": [user("three")], "previous_response_id": second["id"]})
+    assert third.status_code == 200, third.text
+    assert [i.get("type") for i in creates(emulator)[-1]["context"]] == ["compaction", "message", "message"]
+
+
 def test_compact_with_previous_response_id_expands_the_chain_the_proxy_keeps(emulator, start_proxy):
     emulator.model.control({"stateless": "reject"})
     proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always")

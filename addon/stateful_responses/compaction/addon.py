@@ -60,6 +60,7 @@ class _Pending:
     retained: list[Any] = field(default_factory=list)
     fields: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
+    previous_response_id: str | None = None  # a chain the proxy does not keep: the upstream's to expand
     reader: AnswerReader | None = None
 
 
@@ -136,8 +137,10 @@ class Compaction:
             flow.metadata.setdefault(CLIENT_BODY, flow.request.raw_content)
             body["input"] = [json.loads(i) for i in window.items]
             flow.request.content = json.dumps(body).encode()
+        previous = body.get("previous_response_id")
         pending = _Pending("compact", scope, label, tenant, body["model"], window.items,
-                           retained=core.retained_user_messages(raw_items))
+                           retained=core.retained_user_messages(raw_items),
+                           previous_response_id=previous if isinstance(previous, str) else None)
         if self.upstreams.has("lacks_compaction", scope) and self.provides:
             if window.foreign:
                 self._refuse(flow, core.foreign(window.foreign[0]))
@@ -155,7 +158,8 @@ class Compaction:
         if isinstance(reading, Skip) or not reading.raw_items:
             return
         items = reading.raw_items
-        triggered = bool(items) and is_compaction_trigger(items[-1])
+        # A conversation the proxy does not keep is the upstream's: the proxy could not summarize it.
+        triggered = bool(items) and is_compaction_trigger(items[-1]) and reading.conversation is None
         tenant = self._tenant(reading.credential)
         lacks = self.upstreams.has("lacks_compaction", reading.scope)
         try:
@@ -182,7 +186,8 @@ class Compaction:
         if triggered:
             fields = {k: _field(reading.fields, k) for k in ("tools", "parallel_tool_calls")}
             pending = _Pending("trigger", reading.scope, reading.label, tenant, reading.model, window.items,
-                               fields=fields, stream=_field(reading.fields, "stream") is True)
+                               fields=fields, stream=_field(reading.fields, "stream") is True,
+                               previous_response_id=reading.previous if isinstance(reading.previous, str) else None)
             if lacks and self.provides:
                 await self._answer(flow, pending)
             else:
@@ -209,7 +214,7 @@ class Compaction:
         request.headers.pop("content-encoding", None)
         request.headers["content-type"] = "application/json"
         request.headers["accept-encoding"] = "identity"
-        request.content = core.summary_request(pending.model, pending.items)
+        request.content = core.summary_request(pending.model, pending.items, pending.previous_response_id)
         answer, failure = await self.replays.send(
             flow, request, "the summary of a compaction", kind="proof", timeout=SUMMARY_TIMEOUT,
             metadata={OWN: True, DECISION: {"action": "pass", "reason": "the proxy's own compaction summary"}})

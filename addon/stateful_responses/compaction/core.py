@@ -140,13 +140,17 @@ def substitute(raw_items: list[bytes], tenant: Tenant) -> Substituted:
     return Substituted(items, replaced, others)
 
 
-def summary_request(model: str, items: list[bytes]) -> bytes:
+def summary_request(model: str, items: list[bytes], previous_response_id: str | None = None) -> bytes:
     """A normal Responses request for the summary of ``items`` (every trigger
-    left out), to the upstream's own model; stored nowhere."""
+    left out), to the upstream's own model; stored nowhere. A chain the proxy
+    does not keep (``previous_response_id``) is the upstream's to expand."""
     content = [raw for raw in items if not is_compaction_trigger(raw)]
     ask = json.dumps({"type": "message", "role": "user",
                       "content": [{"type": "input_text", "text": SUMMARY_INSTRUCTION}]}).encode()
-    return b'{"model":' + json.dumps(model).encode() + b',"store":false,"input":[' + b",".join(content + [ask]) + b"]}"
+    chain = b"" if previous_response_id is None else \
+        b',"previous_response_id":' + json.dumps(previous_response_id).encode()
+    return (b'{"model":' + json.dumps(model).encode() + b',"store":false' + chain + b',"input":['
+            + b",".join(content + [ask]) + b"]}")
 
 
 def summary_of(answer: Any) -> str | None:
