@@ -265,6 +265,26 @@ def test_codex_compacts_where_the_upstream_lacks_it(emulator, start_proxy, lacki
     assert len(summaries_in(record)) == 1 and len(record["context"]) == len(retained) + 2
 
 
+def test_a_trigger_on_the_upstreams_own_chain_is_compacted_from_that_chain(emulator, start_proxy):
+    """An upstream that stores but lacks compaction: a trigger sent with
+    ``previous_response_id`` is summarized from the upstream's own chain, and
+    the proxy's answer teaches nothing about how the upstream continues."""
+    emulator.model.control({"compaction": "absent"})
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=auto", "--set", "stateful_debug=true")
+    first = post(proxy, {"model": MODEL, "input": [user("one")]}).json()
+    second = post(proxy, {"model": MODEL, "input": [user("two")], "previous_response_id": first["id"]}).json()
+    with httpx.Client(trust_env=False, timeout=60) as c:
+        r = c.post(proxy.url + "/v1/responses", headers={"authorization": f"Bearer {KEY}"},
+                   json={"model": MODEL, "input": [TRIGGER], "previous_response_id": second["id"], "stream": True})
+    completed = [e for e in events_of(r.text) if e["type"] == "response.completed"][0]["response"]
+    assert [o["type"] for o in completed["output"]] == ["compaction"]
+    summary_request = creates(emulator)[-1]
+    assert summary_request["previous_response_id"] == second["id"] and len(summary_request["context"]) == 5
+    third = post(proxy, {"model": MODEL, "input": [user("three")], "previous_response_id": second["id"]})
+    assert third.status_code == 200 and creates(emulator)[-1]["previous_response_id"] == second["id"]
+    assert "without its chain" not in proxy.output()
+
+
 def test_a_compaction_item_stays_with_its_tenant_and_its_proxy(emulator, start_proxy, tmp_path):
     emulator.model.control({"compaction": "absent"})
     proxy = start_proxy(emulator.url)

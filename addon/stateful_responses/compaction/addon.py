@@ -29,7 +29,7 @@ from mitmproxy import http
 
 from ..answer_reader import AnswerReader
 from ..counters import Counters
-from ..flows import CLIENT_BODY, DECISION, RETRY_OF, PerFlow, client_flow, hold, internal_error, request_of
+from ..flows import ANSWERED, CLIENT_BODY, DECISION, RETRY_OF, PerFlow, client_flow, hold, internal_error, request_of
 from ..items import is_compaction_trigger, strict_loads
 from ..replays import Replays
 from ..request_reader import Reader, Skip, splice
@@ -314,6 +314,7 @@ class Compaction:
 def _answered_here(flow: http.HTTPFlow) -> None:
     """The proxy answers this flow: forward mode and the bridge have nothing to plan or send."""
     flow.metadata.setdefault(DECISION, {"action": "pass", "reason": "answered by the proxy's compaction"})
+    flow.metadata[ANSWERED] = True
 
 
 def _field(fields: dict, name: str) -> Any:

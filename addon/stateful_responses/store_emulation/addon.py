@@ -46,6 +46,7 @@ from mitmproxy.proxy import mode_specs
 from ..counters import Counters
 from ..items import without_triggers
 from ..flows import (
+    ANSWERED,
     CLIENT_BODY,
     CONVERSATION,
     DECISION,
@@ -685,7 +686,9 @@ class StoreEmulation:
             return
         if (conversation := client_flow(flow).metadata.get(CONVERSATION)) is not None:
             response = {**response, "conversation": {"id": conversation["id"]}}  # as the API keeps it
-        sent_previous = record.previous_response_id if record.expanded is None else None
+        # An answer the proxy made itself (ANSWERED) says nothing of what the upstream does with the field.
+        sent_previous = record.previous_response_id if record.expanded is None and not flow.metadata.get(ANSWERED) \
+            else None
         stored = response.get("store")
         verdict = None
         if sent_previous is not None:
