@@ -131,6 +131,20 @@ def test_forward_mode_starts_a_new_chain_at_a_compaction(emulator, start_proxy):
     assert [i.get("type") for i in record["context"]].count("compaction") == 1
 
 
+def test_the_websocket_bridge_passes_a_trigger_and_starts_a_new_chain_at_a_compaction(emulator, start_proxy):
+    proxy = start_proxy(emulator.url, "--set", "stateful_debug=true", upstream_websocket="auto")
+    history = conversation(proxy, 3)
+    assert creates(emulator)[-1]["transport"] == "websocket"  # the bridge continues the conversation
+    item = codex_compaction(proxy, history)
+    trigger_record = creates(emulator)[-1]
+    assert trigger_record["transport"] == "http" and trigger_record["previous_response_id"] is None
+    assert trigger_record["store"] is False and trigger_record["input_items"] == len(history) + 1
+    window = [i for i in history if i.get("role") == "user"] + [item, user("go on")]
+    assert post(proxy, {"model": MODEL, "input": window, "store": False}).status_code == 200
+    record = creates(emulator)[-1]
+    assert record["previous_response_id"] is None and len(record["context"]) == len(window)
+
+
 def test_the_trigger_stays_last_and_is_never_replayed(emulator, start_proxy):
     """The measured bug: store emulation on a stateless upstream replayed an
     earlier trigger mid-input, and the upstream answered 400."""

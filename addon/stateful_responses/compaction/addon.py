@@ -29,7 +29,7 @@ from mitmproxy import http
 
 from ..answer_reader import AnswerReader
 from ..counters import Counters
-from ..flows import ANSWERED, CLIENT_BODY, DECISION, RETRY_OF, PerFlow, client_flow, hold, internal_error, request_of
+from ..flows import ANSWERED, CLIENT_BODY, DECISION, HELD, RETRY_OF, PerFlow, client_flow, hold, internal_error, request_of
 from ..items import is_compaction_trigger, strict_loads
 from ..replays import Replays
 from ..request_reader import Reader, Skip, splice
@@ -256,7 +256,7 @@ class Compaction:
         status = flow.response.status_code
         if pending.kind == "compact" or (400 <= status < 500 and pending.kind == "trigger"):
             hold(flow)  # small: the response hook may answer instead
-        elif pending.kind == "trigger" and status < 300:
+        elif pending.kind == "trigger" and status < 300 and not flow.metadata.get(HELD):  # held: read whole later
             reader = pending.reader = AnswerReader(flow.response.headers.get("content-type", ""),
                                                    flow.response.headers.get("content-encoding", ""))
             downstream = flow.response.stream
