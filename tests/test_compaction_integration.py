@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import openai
 import pytest
@@ -143,6 +144,26 @@ def test_the_websocket_bridge_passes_a_trigger_and_starts_a_new_chain_at_a_compa
     assert post(proxy, {"model": MODEL, "input": window, "store": False}).status_code == 200
     record = creates(emulator)[-1]
     assert record["previous_response_id"] is None and len(record["context"]) == len(window)
+
+
+def test_the_record_takes_no_trigger_as_content_and_a_compacted_window_as_a_new_chain(emulator, start_proxy,
+                                                                                      tmp_path):
+    record_file = tmp_path / "records.jsonl"
+    proxy = start_proxy(emulator.url, "--set", f"stateful_record_file={record_file}")
+    history = conversation(proxy, 2)
+    item = codex_compaction(proxy, history)
+    window = [i for i in history if i.get("role") == "user"] + [item, user("go on")]
+    assert post(proxy, {"model": MODEL, "input": window, "store": False}).status_code == 200
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(record_file.read_text().splitlines() if record_file.exists() else ()) < 4:
+        time.sleep(0.05)
+    first, second, trigger, after = [json.loads(line) for line in record_file.read_text().splitlines()]
+    assert second["continuation"]["chainId"] == first["continuation"]["chainId"]
+    dropped = trigger["audit"]["protocolMapping"]["dropped"]
+    assert [e["field"] for e in dropped] == ["compaction_trigger"]
+    assert trigger["continuation"]["previousTurnId"] == second["continuation"]["turnId"]  # the history it compacts
+    assert after["continuation"]["chainId"] != first["continuation"]["chainId"]  # a new chain
+    assert after["continuation"]["previousTurnId"] is None
 
 
 def test_the_trigger_stays_last_and_is_never_replayed(emulator, start_proxy):
