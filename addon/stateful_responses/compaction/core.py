@@ -181,11 +181,13 @@ def retained_user_messages(raw_items: list[bytes]) -> list[Any]:
 
 def compacted_response(retained: list[Any], item: dict, usage: Any) -> dict[str, Any]:
     """The API's ``CompactedResponse``: the retained user messages, then one compaction item."""
-    response: dict[str, Any] = {"id": new_id("resp"), "object": "response.compaction", "created_at": int(time.time()),
-                                "output": [*retained, item]}
-    if isinstance(usage, dict):
-        response["usage"] = usage
-    return response
+    return {"id": new_id("resp"), "object": "response.compaction", "created_at": int(time.time()),
+            "output": [*retained, item], "usage": usage if isinstance(usage, dict) else _NO_USAGE}
+
+
+# What a compaction cost, when the summary's answer did not say (the API's CompactedResponse always has it).
+_NO_USAGE = {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
+             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}
 
 
 def trigger_response(model: str, item: dict, usage: Any, fields: dict[str, Any]) -> dict[str, Any]:
