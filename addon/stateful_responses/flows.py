@@ -31,6 +31,7 @@ CONVERSATION = "stateful_conversation"  # {"id", "items", …}: a conversation t
 ROUTED = "stateful_routed"  # {"upstream", "reason", "moved", …}: where the router sent it
 RETRY_OF = "stateful_retry_of"  # our own retry of the client's flow (its id)
 BRIDGED = "stateful_websocket"  # {"transport", "action", …}: an HTTP request served over an upstream WebSocket
+ANSWERED = "stateful_answered"  # the proxy answered this flow itself (compaction): it teaches nothing of the upstream
 OVERFLOW = "stateful_websocket_overflow"  # every socket holds a live conversation: HTTP, as without the bridge
 # flow.metadata key: an answer held back whole, so that the response hook can
 # replace it before the client sees a byte; no addon streams it.

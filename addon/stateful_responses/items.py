@@ -71,7 +71,17 @@ TOP_LEVEL_BOOKKEEPING: dict[str | None, frozenset[str]] = {
     # The status is the tool's result.
     "apply_patch_call_output": _REGENERATED - {"status"},
     "program_output": _REGENERATED - {"status"},
+    # The window a compaction summarized is its encrypted content; the id is
+    # the upstream's, and ``created_by`` is output only (never an input field).
+    "compaction": frozenset({"id", "created_by"}),
+    "compaction_summary": frozenset({"id", "created_by"}),
 }
+# Compaction (docs/compaction.md): an item that stands for every item before it
+# in its window (``compaction_summary`` is its legacy name, still read by Codex),
+# and Codex's trigger, a control signal that must stay the last input item and
+# is never content: never stored, recorded, given an id or replayed.
+COMPACTION_TYPES = frozenset({"compaction", "compaction_summary"})
+COMPACTION_TRIGGER = "compaction_trigger"
 # A message's content parts: citations and token probabilities the upstream
 # attached to its own text; clients drop them (langchain) or keep them.
 PART_BOOKKEEPING = frozenset({"annotations", "logprobs"})
@@ -299,6 +309,58 @@ def as_item_list(value: Any) -> list | None:
 
 
 _MISSING = object()
+
+
+class _Type(msgspec.Struct):
+    type: Any = None
+
+
+_TYPE = msgspec.json.Decoder(_Type)
+
+
+def item_type(raw: bytes) -> Any:
+    """The ``type`` of one raw item (None when it has none or is not an object)."""
+    try:
+        return _TYPE.decode(raw).type
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def is_compaction_trigger(raw: bytes) -> bool:
+    """Whether a raw item is Codex's ``compaction_trigger`` (its bytes looked at
+    first: a long history is scanned at memory speed)."""
+    return b"compaction_trigger" in raw and item_type(raw) == COMPACTION_TRIGGER
+
+
+def is_compaction(raw: bytes) -> bool:
+    """Whether a raw item is a ``compaction`` item (or its legacy ``compaction_summary``)."""
+    return b"compaction" in raw and item_type(raw) in COMPACTION_TYPES
+
+
+def window_start(items: list[bytes], turns: list[tuple[int, int]]) -> int | None:
+    """Where a recorded chain's context starts once compacted: ``items`` are
+    its turns' inputs and outputs in order, ``turns`` each turn's (input,
+    output) lengths. A compaction item stands for everything before it, so
+    the context starts at the newest one: at the item itself when a response
+    made it (an output: ``context_management``, a trigger), at the start of
+    its turn's input when the client sent it (a compacted window, the user
+    messages it retained in front of it included). None: nothing compacted."""
+    start = end = 0
+    found = None
+    for input_length, output_length in turns:
+        output_start, end = start + input_length, start + input_length + output_length
+        made = [i for i in range(output_start, end) if is_compaction(items[i])]
+        if made:
+            found = made[-1]
+        elif any(is_compaction(items[i]) for i in range(start, output_start)):
+            found = start
+        start = end
+    return found
+
+
+def without_triggers(raw_items: list[bytes]) -> list[bytes]:
+    """The items that are content: every ``compaction_trigger`` left out."""
+    return [raw for raw in raw_items if not is_compaction_trigger(raw)]
 
 
 

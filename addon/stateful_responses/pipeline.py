@@ -5,6 +5,7 @@ of each upstream, the request reader, the counters and the state store."""
 
 from __future__ import annotations
 
+from .compaction.addon import Compaction
 from .counters import Counters
 from .forward.addon import ForwardMode
 from .continuation.planner import Planner
@@ -58,6 +59,9 @@ def make_addons() -> list:
         forward.checks,
         conversation_emulation,  # before store emulation: it records the expanded body
         emulation,  # before forward mode: it plans the expanded body
+        # after the emulations (their expansions may hold its items), before the bridge and forward mode (they send
+        # the summaries in the items' place)
+        Compaction(config, counters, tenancy, reader, upstreams, state, replays, emulation.compact_history),
         # before forward mode: a flow it takes is answered over an upstream WebSocket, never rewritten
         WebSocketBridge(config, counters, tenancy, reader, upstreams, state, replays, planner, proofs),
         forward,

@@ -49,7 +49,8 @@ class Replays:
         flow.response.stream = keep
 
     async def send(self, flow: http.HTTPFlow, request: http.Request, why: str,
-                   kind: str = "retry", timeout: float | None = None) -> tuple[http.Response, str | None]:
+                   kind: str = "retry", timeout: float | None = None,
+                   metadata: dict | None = None) -> tuple[http.Response, str | None]:
         """The answer the client gets for ``request`` sent in its flow's place:
         the upstream's, or mitmproxy's own 502 (and why) when the retry itself
         failed, never the refusal that made us retry. With a ``timeout``, an
@@ -65,6 +66,7 @@ class Replays:
             # Who the client is stays: mitmproxy's proxyauth let the client in
             # (and lets a replay through), and the user it let in names the tenant.
             child.metadata = {key: flow.metadata[key] for key in ("proxyauth",) if key in flow.metadata}
+            child.metadata.update(metadata or {})  # what tells the other addons to leave it alone
             child.is_replay = "request"
             if kind == "proof":  # ours, but no attempt at the client's request: no addon may take it for one
                 child.metadata[RETRY_OF] = flow.id

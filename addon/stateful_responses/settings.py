@@ -176,6 +176,12 @@ OPTIONS: dict[str, tuple[Any, Any, Any, str]] = {
         "Seconds a turn on an upstream WebSocket waits for each next event; then the socket is dropped: the turn "
         "goes over HTTP if the client has no byte of it yet, else its stream breaks, as a dropped HTTP stream.",
     ),
+    "stateful_compaction": (
+        parse_websocket, str, "auto",
+        "Compaction (/responses/compact, Codex's compaction_trigger, compaction items) where the upstream lacks "
+        "it: auto (the proxy compacts with the upstream's own model, its items sealed per tenant), or off "
+        "(passed as sent). Compacted histories are handled exactly either way.",
+    ),
     "stateful_debug": (parse_bool, bool, False, "Log one line per decision."),
 }
 PARSERS = {name: spec[0] for name, spec in OPTIONS.items()}
@@ -204,6 +210,7 @@ class Settings:
     upstream_websocket_idle_s: int = 300
     upstream_websocket_first_event_s: int = 60
     upstream_websocket_silence_s: int = 300
+    compaction: str = "auto"
     debug: bool = False
 
     @classmethod

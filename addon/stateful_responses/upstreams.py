@@ -16,7 +16,10 @@ a credential: it answered a Responses request, so its ``/conversations`` are
 the Responses API's) and ``refuses_websocket`` (its sockets are no use:
 it refused the WebSocket upgrade or never answered it, closed sockets
 before their first event, or a socket refused or did not continue what it
-was asked to). Each expires (a verdict drawn from faults sooner than the
+was asked to), ``has_compaction`` / ``lacks_compaction`` (it answered
+``/responses/compact`` or a compaction trigger as the API does / answered the
+endpoint 404/405, refused a compaction item or trigger as unknown, or answered
+a trigger with no compaction item: see ``compaction/``). Each expires (a verdict drawn from faults sooner than the
 time to live: see ``mark``); setting one queues the write that shares it
 with every process using the store.
 """
@@ -34,7 +37,8 @@ from .tenancy import Tenancy
 MARKS = "marks"  # kind + scope -> when it expires
 
 MarkKind = Literal["reads_back", "unsupported", "no_forced_store", "honours_previous", "refuses_previous",
-                   "has_conversations", "lacks_conversations", "refuses_websocket", "serves_responses"]
+                   "has_conversations", "lacks_conversations", "refuses_websocket", "serves_responses",
+                   "has_compaction", "lacks_compaction"]
 MARK_KINDS = frozenset(MarkKind.__args__)  # type: ignore[attr-defined]
 
 # Answers that say "not now", not "not this": the client's SDK retries them and

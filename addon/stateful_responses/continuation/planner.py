@@ -21,7 +21,7 @@ from blake3 import blake3
 
 from ..bounded import Bounded
 from ..counters import Counters
-from ..items import Ambiguous, ItemSequence, item_digest
+from ..items import Ambiguous, ItemSequence, is_compaction_trigger, item_digest
 from ..request_reader import Reader, Reading, Request, Skip, splice
 from ..settings import Config, Settings
 from ..state.outbox import Outbox, Write
@@ -178,6 +178,11 @@ class Planner:
         body, client_store = reading.fields, reading.client_store
         raw_items, digests = reading.raw_items, reading.digests
         credential = reading.credential
+        if raw_items and any(map(is_compaction_trigger, raw_items)):
+            # It must stay the last item of what it compacts, never stored (a forced store is refused by the
+            # ChatGPT backend), never split into previous_response_id + a tail; its answer starts a new window
+            # (and, made by the proxy where the upstream lacks compaction, says nothing of the upstream's chains).
+            return Plan("pass", "a compaction trigger", upstream, model, scope, label)
         if reading.previous is not None:
             plan = Plan("pass", "client sent previous_response_id", upstream, model, scope, label)
             if isinstance(reading.previous, str):

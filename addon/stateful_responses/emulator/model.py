@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import errors
+from . import compaction, errors
 from .stateless_apis import CALL_PATTERN, Call, Conversation, ConversationAPI, canonical, context_digest, decide
 from .errors import APIError
 from .openai_conversations import ConversationsCall, OpenAIConversations, StoredConversation
@@ -95,6 +95,9 @@ class Faults:
     ws_lifetime_s: float = 3600  # a socket's lifetime, after which response.create is refused
     # the code of a response.create refused while its lane runs a response ("response_already_in_flight": a gateway's)
     ws_busy_code: str = "conversation_already_has_active_response"
+    # No compaction (compaction.py): "absent" (the endpoint 404, items and the trigger refused) | "not_allowed"
+    # (the endpoint 405) | "ignore" (the endpoint 404, compaction items refused, a trigger silently dropped)
+    compaction: str | None = None
     next: list[dict] = field(default_factory=list)  # one-shot faults, FIFO
 
     def take(self, continued: bool, protocol: str = RESPONSES, kinds: frozenset[str] | None = None,
@@ -116,7 +119,7 @@ class Faults:
 
 SETTABLE = ("stateless", "ignore_previous", "conversations", "echo_store", "echo_previous", "input_items",
             "refuse_store", "forget_probability", "slow_ms", "think_ms", "gzip", "background_delay_ms",
-            "read_rate_bytes_per_s", "websocket", "ws_lifetime_s", "numbered_ids", "ws_busy_code")
+            "read_rate_bytes_per_s", "websocket", "ws_lifetime_s", "numbered_ids", "ws_busy_code", "compaction")
 
 
 _SOCKET_NUMBERS = itertools.count(1)
@@ -299,6 +302,8 @@ class ResponsesModel:
         if socket is not None:
             record["hydrated"] = parent is not None and all(parent is not r for r in socket.latest.values())
         items, references = self._resolve_references(credential, items, store is not False)
+        triggered = compaction.triggered(items)
+        items = self._compaction_checked(credential, items)
         if self.faults.stateless is None:
             _refuse_duplicates(items, conversation.items if conversation else [])
         fault = f.take(continued=parent is not None, protocol=RESPONSES,
@@ -338,6 +343,11 @@ class ResponsesModel:
             record.update(stored=False, output=[])
             return response, fault
         response = self._answer(body, response_id, created_at, context, fault, conversation_id, generate)
+        if response["status"] == "completed" and f.compaction is None and generate:
+            if triggered:  # the window compacted, and nothing else
+                response["output"] = [compaction.compaction_item(credential, context)]
+            elif compaction.threshold_passed(body, response["usage"]["input_tokens"]):
+                response["output"].insert(0, compaction.compaction_item(credential, context))
         completed = response["status"] == "completed"
         keep = self._stores(store) and completed
         if self._stores(store):
@@ -349,6 +359,44 @@ class ResponsesModel:
         _append_completed(conversation, own_items, response)
         record.update(stored=keep, output=response["output"])
         return response, fault
+
+    def _compaction_checked(self, credential: str, items: list) -> list:
+        """The input as the model reads it: a trigger checked and left out,
+        each compaction item verified as this server's (see compaction.py)."""
+        items = compaction.check_input(items, self.faults.compaction)
+        for item in items:
+            if item.get("type") in compaction.COMPACTION_TYPES:
+                compaction.verify(credential, item)
+        return items
+
+    def compact(self, credential: str, body: Any, body_bytes: int, raw_sha256: str = "") -> dict:
+        """``POST /v1/responses/compact``: the window (a stored chain, then the
+        input) compacted into its user messages and one compaction item. Logged
+        as a create is, with ``endpoint: "compact"``."""
+        record = _record(RESPONSES, "http", credential, body_bytes, raw_sha256)
+        record["endpoint"] = "compact"
+
+        def answer() -> tuple[dict, None]:
+            if not credential:
+                raise errors.missing_api_key()
+            if not isinstance(body, dict):
+                raise errors.unparsable_json()
+            if not isinstance(body.get("model"), str):
+                raise errors.missing_model()
+            previous = body.get("previous_response_id")
+            items = _input_of(body) if body.get("input") is not None else []
+            parent = self._parent(credential, previous) if previous is not None else None
+            items, _ = self._resolve_references(credential, items, True)
+            items = self._compaction_checked(credential, items)
+            context = (parent.chain if parent else []) + items
+            record.update(input_items=len(items), previous_response_id=previous, model=body["model"],
+                          instructions=body.get("instructions"), context=context,
+                          context_digest=context_digest(context))
+            usage = _usage(len(canonical(context)), [])
+            return compaction.compacted_response(body, context, [listed_item(i) for i in context], credential,
+                                                 int(time.time()), usage), None
+
+        return self._logged(record, answer)[0]
 
     def _conversation_of(self, credential: str, body: dict, previous: Any) -> StoredConversation | None:
         """The conversation a create names, as this upstream reads the field:

@@ -54,6 +54,7 @@ from .openai_conversations import ConversationsCall
 from .sse import TERMINAL_EVENT, background_events, encode_event, error_events, sse_events, wants_obfuscation
 from .websocket import ResponsesSocket
 
+COMPACT_ROUTE = re.compile(r"^(?:/v1)?/responses/compact/?$")
 ROUTE = re.compile(r"^(?:/v1)?/responses(?:/(?P<id>[^/]+)(?:/(?P<action>input_items|cancel))?)?/?$")
 CONVERSATION_ROUTES: tuple[tuple[re.Pattern, ConversationAPI], ...] = (
     (re.compile(r"^(?:/v1)?/chat/completions/?$"), ChatCompletions()),
@@ -288,6 +289,9 @@ class _Handler(BaseHTTPRequestHandler):
                                              match.groupdict(), dict(parse_qsl(url.query)), len(body),
                                              self.raw_sha256))
                     return
+            if COMPACT_ROUTE.match(url.path):
+                self._compact(body)
+                return
             route = self._route("POST", "responses", "cancel")
             if route.endpoint == "cancel":
                 self._send_json(200, self.model.cancel(self._credential(), route.response_id))
@@ -295,6 +299,16 @@ class _Handler(BaseHTTPRequestHandler):
                 self._create(body)
         except APIError as e:
             self._send_error(e)
+
+    def _compact(self, body: bytes) -> None:
+        """``POST /v1/responses/compact`` (compaction.py), or a server without it."""
+        mode = self.model.faults.compaction
+        if mode == "not_allowed":
+            raise errors.method_not_allowed()
+        if mode is not None:
+            raise errors.invalid_url("POST", self.path)
+        self._think()
+        self._send_json(200, self.model.compact(self._credential(), _parsed(body), len(body), self.raw_sha256))
 
     def _converse(self, api: ConversationAPI, call: Call) -> None:
         """A request to one of the other conversation APIs: answered as JSON or

@@ -44,7 +44,9 @@ from mitmproxy import exceptions, http
 from mitmproxy.proxy import mode_specs
 
 from ..counters import Counters
+from ..items import without_triggers
 from ..flows import (
+    ANSWERED,
     CLIENT_BODY,
     CONVERSATION,
     DECISION,
@@ -101,6 +103,7 @@ RENEWALS = 2  # chains renewed at once in the background
 LIST_PARAMETERS = frozenset({"limit", "order", "after", "before", "include", "include[]"})
 _RESOURCE = re.compile(r"^(?P<base>.*)/responses/(?P<id>[^/]+)(?P<items>/input_items)?/?$")
 _ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
+_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
 
 
 @dataclass
@@ -334,6 +337,38 @@ class StoreEmulation:
             return (await self._expand(reading, record))[0]
         except (ChainError, StorageError):
             return None
+
+    async def compact_history(self, flow: http.HTTPFlow) -> bytes | None:
+        """A ``POST …/responses/compact`` body with its ``previous_response_id``
+        expanded, as any request of that chain would be (the upstream cannot
+        have the chain, or the proxy is the store); None to send it as it is.
+        What it answers is a new window, never a turn of the chain: nothing is
+        recorded."""
+        if self.mode == "off":
+            return None
+        await self.state.ready()
+        client = flow.request.copy()
+        path, _, query = client.path.partition("?")
+        client.path = path.rstrip("/").removesuffix("/compact") + (f"?{query}" if query else "")
+        try:
+            fields = _FIELDS.decode(client.get_content(strict=False) or b"")
+            if bytes(fields.get("input", b"null")) == b"null":  # compact takes a chain alone: read it as no input
+                client.content = splice(client.raw_content or b"", fields, {"input": b"[]"})
+        except (msgspec.DecodeError, ValueError):
+            return None
+        reading = self.reader.read(request_of(flow, client), count=False)
+        if isinstance(reading, Skip) or not isinstance(reading.previous, str):
+            return None
+        raw_input = reading.raw_items if reading.raw_items is not None \
+            else [string_input_item(bytes(reading.fields["input"]))]
+        record = _Flow(self._tenant(reading.credential), reading.credential, reading.scope, reading.label,
+                       reading.upstream, reading.previous, raw_input, client)
+        try:
+            if self.mode == "auto" and not await self._upstream_cannot_have(record):
+                return None
+            return (await self._expand(reading, record))[0]
+        except (ChainError, StorageError):
+            return None  # a chain the record does not hold is the upstream's
 
     # -- retrieve, input_items, delete --------------------------------------------------
 
@@ -651,7 +686,9 @@ class StoreEmulation:
             return
         if (conversation := client_flow(flow).metadata.get(CONVERSATION)) is not None:
             response = {**response, "conversation": {"id": conversation["id"]}}  # as the API keeps it
-        sent_previous = record.previous_response_id if record.expanded is None else None
+        # An answer the proxy made itself (ANSWERED) says nothing of what the upstream does with the field.
+        sent_previous = record.previous_response_id if record.expanded is None and not flow.metadata.get(ANSWERED) \
+            else None
         stored = response.get("store")
         verdict = None
         if sent_previous is not None:
@@ -672,8 +709,9 @@ class StoreEmulation:
         # An answer that does not say (agentic-api's) was stored where its request asked for it, or where it
         # continued a chain: the GET of the proof below shows whether the upstream really keeps it.
         stored_upstream = stored is True or (stored is None and (verdict == "honoured" or _asks_to_store(flow)))
+        # A compaction trigger is a control signal, never content: a later expansion never replays it.
         due = self.history.record(record.tenant, response=response, previous_response_id=record.previous_response_id,
-                                  raw_input=record.raw_input, stored_upstream=stored_upstream)
+                                  raw_input=without_triggers(record.raw_input), stored_upstream=stored_upstream)
         record.written = self.state.flush()
         if stored_upstream:
             self.proofs.start(flow, record.scope, record.label, record.upstream, response["id"])
@@ -1117,7 +1155,7 @@ class ConversationEmulation:
         response = reader.finish()
         if record.conversation is None or not isinstance(response, dict) or response.get("status") != "completed":
             return
-        self.conversations.join(record.tenant, record.conversation, record.listed_input,
+        self.conversations.join(record.tenant, record.conversation, without_triggers(record.listed_input),
                                 response.get("output") or [])
         record.written = self.state.flush()
         self._debug("appended a response to conversation %s", record.conversation.id)

@@ -43,7 +43,7 @@ import msgspec
 
 from ..bounded import Bounded
 from ..entropy import random_bytes
-from ..items import Ambiguous, strict_loads
+from ..items import Ambiguous, is_compaction_trigger, strict_loads
 from ..settings import Config
 from ..state.outbox import Outbox, Write
 from ..state.storage import log_entry, log_length
@@ -773,8 +773,9 @@ def listed(raw_input: Sequence[bytes]) -> list[bytes]:
     """A response's input items as its conversation will list them, each
     with an id of its own: what the upstream is sent too, so that the next
     turn's history starts with this turn's very bytes (a full-history turn
-    recorded after it then shares them, see ``History.record``)."""
-    return [_JSON(listed_item(strict_loads(raw), new_id)) for raw in raw_input]
+    recorded after it then shares them, see ``History.record``). A compaction
+    trigger gets no id (the API refuses one) and is never listed (``join``)."""
+    return [raw if is_compaction_trigger(raw) else _JSON(listed_item(strict_loads(raw), new_id)) for raw in raw_input]
 
 
 # -- the answer names its conversation -------------------------------------------------------

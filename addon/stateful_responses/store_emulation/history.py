@@ -16,7 +16,7 @@ import msgspec
 from blake3 import blake3
 
 from ..bounded import Bounded, Weighed
-from ..items import canonical_json, normalize_item, strict_loads
+from ..items import canonical_json, normalize_item, strict_loads, window_start
 from ..settings import Config
 from ..state.outbox import Outbox, Write
 from .turns import (
@@ -165,7 +165,8 @@ class History:
         parent_context = self.contexts.get((tenant.tag, previous_response_id)) if previous_response_id else None
         if parent_context is not None and self.turns.get(key) is not _CONFLICT:
             depth, keys = parent_context  # the next turn of an agent loop expands without a walk
-            self.contexts.put((tenant.tag, response_id), (depth + 1, keys + input_keys + output_keys))
+            own, cut = input_keys + output_keys, window_start([*raw_input, *output], [(len(raw_input), len(output))])
+            self.contexts.put((tenant.tag, response_id), (depth + 1, own[cut:] if cut is not None else keys + own))
         self._outbox.append(Write(TURNS, key, record, self.ttl, merge=conflict, label=response_id))
         return self._relied_on(tenant, response_id, [d for d in (previous_response_id, base) if d is not None])
 
@@ -402,11 +403,16 @@ class History:
             keys = cached[1]
         else:
             turns = await walk(self._link(tenant, get), previous_response_id, self.max_depth)
-            keys = []
+            keys, spans = [], []
             for turn in turns:
-                keys += (await self._input_keys(tenant, turn, get, previous_response_id))[0]
+                input_keys = (await self._input_keys(tenant, turn, get, previous_response_id))[0]
+                keys += input_keys
                 keys += turn.body.output
-            self.contexts.put((tenant.tag, previous_response_id), (len(turns), keys))
+                spans.append((len(input_keys), len(turn.body.output)))
+            items = await self._items(tenant, keys, get, previous_response_id)
+            start = window_start(items, spans) or 0  # a compaction: never the history it replaced
+            self.contexts.put((tenant.tag, previous_response_id), (len(turns), keys[start:]))
+            return items[start:]
         return await self._items(tenant, keys, get, previous_response_id)
 
     async def output_items(self, tenant: Tenant, turn: Turn, get: GetRecords) -> list[bytes]:

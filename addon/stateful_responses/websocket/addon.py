@@ -52,6 +52,7 @@ from ..flows import (
 from ..continuation.planner import Plan, Planner
 from ..continuation.prefixes import ENTRIES, REFS, entries_found
 from ..proofs import Proofs
+from ..items import is_compaction_trigger
 from ..request_reader import Reader, Reading, upstream_of
 from ..replays import Replays, bad_gateway
 from ..settings import Config, Settings
@@ -569,9 +570,11 @@ class WebSocketBridge:
 
 def _socket_refuses(reading: Reading) -> bool:
     """A request WebSocket mode does not take: a background one (the API
-    refuses it there), or one already holding a field of the socket's own."""
+    refuses it there), one already holding a field of the socket's own, or a
+    compaction trigger (never continued from a socket's memory: docs/compaction.md)."""
     fields = reading.fields
-    return bytes(fields.get("background", b"")) == b"true" or "type" in fields or "generate" in fields
+    return bytes(fields.get("background", b"")) == b"true" or "type" in fields or "generate" in fields \
+        or any(map(is_compaction_trigger, reading.raw_items or ()))
 
 
 def _summary(previous: str | None, sent: int, total: int) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from ...items import as_item_list, normalize_item
+from ...items import COMPACTION_TRIGGER, as_item_list, is_compaction_trigger, normalize_item
 from ...answer_reader import RESPONSE_EVENTS, TERMINAL_EVENTS
 from .common import Audit, Kind, LiftedAnswer, LiftedRequest, Status, ToolResult, parse_json, tool_result
 
@@ -156,8 +156,21 @@ def lift_request(url: str, doc: Any) -> LiftedRequest | None:
     listed = as_item_list(doc["input"]) if "input" in doc else []
     if listed is None:
         return None
-    items = RequestItems(listed, raw=False)
-    return _lifted(doc, [normalize_item(i) for i in listed], _submitted_tool_results(items, 0), None, items)
+    content = [i for i in listed if not (isinstance(i, dict) and i.get("type") == COMPACTION_TRIGGER)]
+    items = RequestItems(content, raw=False)
+    lifted = _lifted(doc, [normalize_item(i) for i in content], _submitted_tool_results(items, 0), None, items)
+    return _noted_trigger(lifted, len(content) < len(listed))
+
+
+def _noted_trigger(lifted: LiftedRequest, triggered: bool) -> LiftedRequest:
+    """A compaction trigger is a control signal, not content: left out of the
+    conversation (never recorded, never part of a chain's keys), and said so."""
+    if triggered:
+        audit = Audit(PROTOCOL, "request")
+        audit.note("compaction_trigger", "dropped", "a control signal asking for a compaction, not content")
+        lifted.audit.extend(audit.entries)
+        lifted.hints["compaction"] = "trigger"
+    return lifted
 
 
 def lift_read(doc: dict, raw_items: list[bytes], digests: list[bytes]) -> LiftedRequest:
@@ -166,12 +179,16 @@ def lift_read(doc: dict, raw_items: list[bytes], digests: list[bytes]) -> Lifted
     their digests. Items are read from the newest back, and only as far as
     the results this request submits and the calls that name them, so
     recording costs next to nothing on top of planning."""
+    kept = [i for i, raw in enumerate(raw_items) if not is_compaction_trigger(raw)]
+    triggered = len(kept) < len(raw_items)
+    if triggered:
+        raw_items, digests = [raw_items[i] for i in kept], [digests[i] for i in kept]
     items = RequestItems(raw_items, raw=True)
     first = len(items)  # back to the start of the model's last turn
     while first > 0 and not (first < len(items) and _is_model_item(items.shape(first))
                              and not _is_model_item(items.shape(first - 1))):
         first -= 1
-    return _lifted(doc, [], _submitted_tool_results(items, first), digests, items)
+    return _noted_trigger(_lifted(doc, [], _submitted_tool_results(items, first), digests, items), triggered)
 
 
 def _lifted(doc: dict, messages: list, submitted: list[ToolResult], digests: list[bytes] | None,
