@@ -287,10 +287,12 @@ class WebSocketBridge:
                 self.pool.opened(held, await open_socket(target, tls_options()))
             except Refused as e:
                 self.pool.remove(held)
+                self.pool.events["refused"] += 1
                 self._refused(scope, label, e.status)
                 return
             except Unreachable as e:
                 self.pool.remove(held)
+                self.pool.events["unreachable"] += 1
                 if str(e) == "TimeoutError":  # the upstream took the connection and never answered the upgrade
                     self._refuses(scope, label, "never answered the WebSocket upgrade", REPROBE_S)
                     return
@@ -492,6 +494,7 @@ class WebSocketBridge:
     def _report(self, job: _Job, outcome: Outcome) -> None:
         flow, turn = job.flow, job.turn
         c = self.counters
+        sent_bytes = 0
         continued = outcome.previous_response_id is not None
         if outcome.abandoned:
             pass  # nothing was answered: only its retries count
@@ -503,7 +506,8 @@ class WebSocketBridge:
             else:
                 c.full_items += outcome.items_sent
             sent = turn.delta_message if continued and turn.delta_message is not None else turn.full_message
-            c.bytes_saved += job.client_bytes - len(sent)
+            sent_bytes = len(sent)
+            c.bytes_saved += job.client_bytes - sent_bytes
         else:
             c.fallbacks += 1
             c.full_items += outcome.items_sent
@@ -526,7 +530,8 @@ class WebSocketBridge:
         flow.metadata[BRIDGED] = {"transport": outcome.transport, "action": action,
                                   "previous_response_id": outcome.previous_response_id,
                                   "items_total": turn.items_total, "items_sent": outcome.items_sent,
-                                  "retries": list(outcome.retries), "dropped": outcome.dropped}
+                                  "retries": list(outcome.retries), "dropped": outcome.dropped,
+                                  "sent_bytes": sent_bytes}  # the message that made the answer, over the socket
         self._debug("%s (%s)", summary, job.label)
 
     def _refused(self, scope: str, label: str, status: int) -> None:
