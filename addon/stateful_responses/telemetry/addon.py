@@ -225,13 +225,14 @@ class Telemetry:
 
 
 def _sent(metadata: Mapping, seen: _Seen, body: bytes | None) -> int:
-    """The bytes a client's flow itself sent upstream: over the bridge's socket,
-    its message; none when the proxy answered it, or when a retry of ours sent
-    it (counted as that retry: the bridge's HTTP fallback, a withheld body)."""
+    """The bytes a client's flow itself sent upstream: over the bridge's
+    sockets, their messages (an HTTP fallback is a retry of ours, counted as
+    such); none when the proxy answered it, or when a retry of ours sent its
+    body (a withheld one)."""
     bridged = metadata.get(BRIDGED) or {}
-    if bridged.get("transport") == "websocket":
+    if bridged:
         return int(bridged.get("sent_bytes") or 0)
-    if seen.answered or bridged or WITHHELD in metadata:
+    if seen.answered or WITHHELD in metadata:
         return 0
     return len(body or b"")
 

@@ -494,7 +494,6 @@ class WebSocketBridge:
     def _report(self, job: _Job, outcome: Outcome) -> None:
         flow, turn = job.flow, job.turn
         c = self.counters
-        sent_bytes = 0
         continued = outcome.previous_response_id is not None
         if outcome.abandoned:
             pass  # nothing was answered: only its retries count
@@ -506,8 +505,7 @@ class WebSocketBridge:
             else:
                 c.full_items += outcome.items_sent
             sent = turn.delta_message if continued and turn.delta_message is not None else turn.full_message
-            sent_bytes = len(sent)
-            c.bytes_saved += job.client_bytes - sent_bytes
+            c.bytes_saved += job.client_bytes - len(sent)
         else:
             c.fallbacks += 1
             c.full_items += outcome.items_sent
@@ -531,7 +529,7 @@ class WebSocketBridge:
                                   "previous_response_id": outcome.previous_response_id,
                                   "items_total": turn.items_total, "items_sent": outcome.items_sent,
                                   "retries": list(outcome.retries), "dropped": outcome.dropped,
-                                  "sent_bytes": sent_bytes}  # the message that made the answer, over the socket
+                                  "sent_bytes": outcome.sent_bytes}  # over sockets, every attempt's
         self._debug("%s (%s)", summary, job.label)
 
     def _refused(self, scope: str, label: str, status: int) -> None:

@@ -148,6 +148,8 @@ class Pool:
 
     def opened(self, held: Held, connection: Any) -> None:
         """``held`` has a connection (new, or replacing one that broke)."""
+        if held.connection is not None:
+            self.events["closed"] += 1  # the one it replaces
         held.connection = connection
         held.opened = held.used = self.clock()
         self.events["opened"] += 1
