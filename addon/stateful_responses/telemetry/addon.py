@@ -125,10 +125,13 @@ class Telemetry:
             return
         start, req, s = time.perf_counter(), flow.request, self.config.settings
         seen = None
-        if s.enabled and s.url_matches(req.url) and is_responses_api(req.path.split("?")[0]):
-            length = req.headers.get("content-length", "")
-            seen = _Seen(len(req.raw_content) if req.raw_content is not None else int(length) if length.isdigit()
-                         else 0, False)
+        if s.enabled and is_responses_api(req.path.partition("?")[0]) and (not s.base_urls or s.url_matches(req.url)):
+            body = req.raw_content
+            if body is None:
+                length = req.headers.get("content-length", "")
+                seen = _Seen(int(length) if length.isdigit() else 0, False)
+            else:
+                seen = _Seen(len(body), False)
         self._began.put(flow, (start, seen))
 
     def request(self, flow: http.HTTPFlow) -> None:

@@ -74,6 +74,7 @@ class Metrics:
         for reason in FALLBACKS:
             self.fallbacks.labels(reason)  # every reason shows, at 0 until it happens
         self._seen: set[str] = set()
+        self._children: dict[tuple[str, ...], Any] = {}  # labels() looked up once per label set
         self._server: Any = None
 
     def upstream(self, host: str) -> str:
@@ -88,16 +89,23 @@ class Metrics:
             self.upstream_bytes.labels(label)
         return label
 
+    def _child(self, family: Counter, *labels: str) -> Any:
+        key = (family._name, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = family.labels(*labels)
+        return child
+
     def request(self, counted: Counted, upstream: str, client_bytes: int) -> None:
-        self.requests.labels(counted.decision, counted.transport, upstream).inc()
+        self._child(self.requests, counted.decision, counted.transport, upstream).inc()
         if client_bytes:
-            self.client_bytes.labels(upstream).inc(client_bytes)
+            self._child(self.client_bytes, upstream).inc(client_bytes)
         for reason in counted.fallbacks:
-            self.fallbacks.labels(reason).inc()
+            self._child(self.fallbacks, reason).inc()
 
     def sent(self, upstream: str, size: int) -> None:
         if size:
-            self.upstream_bytes.labels(upstream).inc(size)
+            self._child(self.upstream_bytes, upstream).inc(size)
 
     def fallback(self, reason: str, times: int = 1) -> None:
         self.fallbacks.labels(reason).inc(times)
