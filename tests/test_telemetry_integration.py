@@ -140,7 +140,7 @@ def test_cardinality_stays_flat_while_1000_credentials_and_conversations_pass(em
 
 
 def test_traces_one_span_per_call_one_conversation_id_per_conversation_no_secrets(emulator, start_proxy,
-                                                                                     monkeypatch):
+                                                                                     monkeypatch, tmp_path):
     anthropic = pytest.importorskip("anthropic")
     genai = pytest.importorskip("google.genai")
     receiver = OtlpReceiver()
@@ -149,8 +149,8 @@ def test_traces_one_span_per_call_one_conversation_id_per_conversation_no_secret
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
     try:
-        proxy = start_proxy(emulator.url, "--set", "stateful_traces=otlp", "--set", f"stateful_metrics={address}",
-                            upstream_websocket="auto")
+        options = ("--set", "stateful_traces=otlp", "--set", f"stateful_metrics={address}")
+        proxy = start_proxy(emulator.url, *options, upstream_websocket="auto", confdir=str(tmp_path))
         calls = 0
         responses = [Conversation(proxy.url, api_key=marker_key, model="gpt-test") for _ in range(2)]
         for conversation in responses:
@@ -184,9 +184,15 @@ def test_traces_one_span_per_call_one_conversation_id_per_conversation_no_secret
         time.sleep(1)  # nothing more comes: one span per call, not more
         spans = receiver.wait_for(calls + 1, timeout=1)
         proxy.stop()
+        # Restarted on the same store: the first conversation's next turn keeps its conversation id.
+        start_proxy(emulator.url, *options, upstream_websocket="auto", confdir=str(tmp_path), port=proxy.port)
+        again = Conversation(proxy.url, api_key=marker_key, model="gpt-test", history=responses[0].history)
+        calls += again.turn(f"{marker_prompt} after the restart")
+        after = receiver.wait_for(calls)[len(spans):]
     finally:
         receiver.stop()
-    assert len(spans) == calls == 3 + 3 + 3 + 2 + 2
+    assert len(after) == 1
+    assert len(spans) == calls - 1 == 3 + 3 + 3 + 2 + 2
     by_protocol: dict[str, list[dict]] = {}
     for span in spans:
         by_protocol.setdefault(span["attributes"]["stateful.protocol"], []).append(span)
@@ -196,6 +202,7 @@ def test_traces_one_span_per_call_one_conversation_id_per_conversation_no_secret
     conversation_ids = [s["attributes"]["gen_ai.conversation.id"] for s in responses_spans]
     assert len(set(conversation_ids[:3])) == 1 and len(set(conversation_ids[3:])) == 1
     assert conversation_ids[0] != conversation_ids[3]
+    assert after[0]["attributes"]["gen_ai.conversation.id"] == conversation_ids[0]
     for protocol in ("openai-chat", "anthropic-messages", "gemini-chat"):
         assert len({s["attributes"]["gen_ai.conversation.id"] for s in by_protocol[protocol]}) == 1
     assert len({s["attributes"]["gen_ai.conversation.id"] for s in spans}) == 5
@@ -215,6 +222,7 @@ def test_traces_one_span_per_call_one_conversation_id_per_conversation_no_secret
     assert {s["attributes"]["stateful.transport"] for s in responses_spans} == {"websocket"}
     assert {s["attributes"]["stateful.decision"] for s in spans if s not in responses_spans} == {"passed"}
     # No content and no credential: neither in a span (the raw protobuf bodies) nor in /metrics.
+    metrics_text += scrape(address)
     raw = b"".join(receiver.bodies)
     for marker in (marker_key, marker_prompt, "MARKER"):
         assert marker.encode() not in raw
