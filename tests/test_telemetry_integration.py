@@ -6,11 +6,14 @@ by an OTLP receiver, one per call, one conversation id per conversation."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 
 import httpx
 import openai
 import pytest
+import websockets
 from driver import ChainedConversation, Conversation
 from harness import free_port
 from telemetry_support import OtlpReceiver, PrometheusServer, samples, scrape, value
@@ -18,12 +21,30 @@ from telemetry_support import OtlpReceiver, PrometheusServer, samples, scrape, v
 DECISIONS = ("continued", "full", "passed", "expanded", "answered")
 
 
+async def own_socket_turns(proxy_url: str, turns: int) -> int:
+    """A client's own WebSocket (as Codex, or the SDK's responses.connect()):
+    ``turns`` chained response.create messages; the bytes it sent."""
+    sent = 0
+    async with websockets.connect(proxy_url.replace("http://", "ws://") + "/v1/responses", proxy=None,
+                                  additional_headers={"authorization": "Bearer sk-own"}, open_timeout=60) as socket:
+        previous = None
+        for n in range(turns):
+            message = json.dumps({"type": "response.create", "model": "m-own", "input": f"own socket turn {n}",
+                                  **({"previous_response_id": previous} if previous else {})})
+            sent += len(message.encode())
+            await socket.send(message)
+            while (event := json.loads(await socket.recv()))["type"] != "response.completed":
+                pass
+            previous = event["response"]["id"]
+    return sent
+
+
 def mixed_traffic(emulator, proxy_url: str) -> tuple[int, int]:
     """Continued and whole over HTTP (a credential whose upgrade was refused),
     one continuation refused and retried; over the bridge, one socket closing
     on a turn; chains expanded by store emulation; a retrieve the proxy
-    answers; a request passed. Returns the requests made and the request
-    body bytes the clients sent."""
+    answers; a request passed; two turns on a client's own socket. Returns
+    the requests made and the request body bytes the clients sent."""
     emulator.model.control({"websocket": "refuse"})
     http_part = Conversation(proxy_url, api_key="sk-http", model="m-http")
     for i in range(4):
@@ -45,7 +66,8 @@ def mixed_traffic(emulator, proxy_url: str) -> tuple[int, int]:
     parts = (http_part, ws_part, chained, passed)
     for part in parts:
         part.close()
-    return sum(len(p.sent) for p in parts) + 1, sum(s.size for p in parts for s in p.sent)
+    own_bytes = asyncio.run(own_socket_turns(proxy_url, 2))
+    return sum(len(p.sent) for p in parts) + 1 + 2, sum(s.size for p in parts for s in p.sent) + own_bytes
 
 
 def test_every_counter_matches_what_the_emulator_saw_and_prometheus_scrapes_it(emulator, start_proxy, tmp_path):
@@ -63,15 +85,17 @@ def test_every_counter_matches_what_the_emulator_saw_and_prometheus_scrapes_it(e
         labels = {"decision": decision} | ({"transport": transport} if transport else {})
         return value(found, "stateful_requests_total", **labels)
 
-    assert sum(requests_of(d) for d in DECISIONS) == requests == 14
+    assert sum(requests_of(d) for d in DECISIONS) == requests == 16
     assert requests_of("continued", "http") == len(logged(model="m-http", transport="http", continued=True)) == 3
     assert requests_of("full", "http") == len(logged(model="m-http", status_code=200, continued=False)) == 2
-    assert requests_of("continued", "websocket") == len(logged(transport="websocket", continued=True, fault=None)) \
+    bridged = [r for r in log if r["transport"] == "websocket" and r["model"] != "m-own"]
+    assert requests_of("continued", "websocket") == len([r for r in bridged if r["continued"] and not r["fault"]]) \
         == 3
-    assert requests_of("full", "websocket") == len(logged(transport="websocket", continued=False)) == 2
+    assert requests_of("full", "websocket") == len([r for r in bridged if not r["continued"]]) == 2
     assert requests_of("expanded") == requests_of("expanded", "http") == \
         len(logged(model="m-chain", transport="http")) == 2  # chains the proxy expanded (then continued upstream)
-    assert requests_of("passed") == len(logged(model="other-model")) == 1
+    assert requests_of("passed", "http") == len(logged(model="other-model")) == 1
+    assert requests_of("passed", "websocket") == len(logged(model="m-own", transport="websocket")) == 2
     assert requests_of("answered") == 1  # the retrieve: the emulator never had it (its log has no GET either)
     # Upload saved: what the clients sent, and every byte the upstream received, retries and socket messages too.
     assert value(found, "stateful_client_request_bytes_total", upstream="127.0.0.1") == client_bytes
@@ -89,7 +113,8 @@ def test_every_counter_matches_what_the_emulator_saw_and_prometheus_scrapes_it(e
     assert value(found, "stateful_store_operation_seconds_count", backend="sqlite", operation="get") > 0
     assert value(found, "stateful_store_operation_seconds_count", backend="sqlite", operation="write") > 0
     assert value(found, "stateful_store_errors_total") == 0
-    assert value(found, "stateful_request_added_seconds_count") == requests  # every client request, once
+    # Every client HTTP request once: the own socket's upgrade is one, its messages have no request hooks.
+    assert value(found, "stateful_request_added_seconds_count") == requests - 2 + 1
 
     # A real Prometheus server scrapes the proxy and reads the same figures.
     prometheus = PrometheusServer(tmp_path / "prometheus", [address])
@@ -103,7 +128,7 @@ def test_every_counter_matches_what_the_emulator_saw_and_prometheus_scrapes_it(e
         refused = prometheus.query('stateful_fallbacks_total{reason="continuation_refused"}')
         assert float(refused[0]["value"][1]) == 1
         assert float(prometheus.query("stateful_upstream_sockets")[0]["value"][1]) == 2
-        assert float(prometheus.query("sum(stateful_request_added_seconds_count)")[0]["value"][1]) == requests
+        assert float(prometheus.query("sum(stateful_request_added_seconds_count)")[0]["value"][1]) == requests - 1
     finally:
         prometheus.stop()
 
