@@ -145,3 +145,48 @@ def test_the_lifters_read_usage_json_and_streamed():
     assert (usage.input_tokens, usage.output_tokens) == (11, 5)
     assert _lifted("openai-chat", body={**chat, "usage": {"prompt_tokens": "many", "completion_tokens": True}}
                    ).usage.input_tokens is None
+
+
+class _Connection:
+    open = True
+
+
+def test_the_pool_counts_what_befalls_its_sockets():
+    from stateful_responses.websocket.pool import EVENTS, Declined, Pool
+
+    now = [0.0]
+    pool = Pool(lambda: now[0], max_per_scope=1, idle_s=10)
+    assert pool.events == dict.fromkeys(EVENTS, 0)
+    first = pool.choose("scope", b"root", [b"a"], {})
+    pool.opened(first.held, _Connection())
+    assert isinstance(pool.choose("scope", b"root", [b"b"], {}), Declined)  # its one socket is busy
+    pool.release(first.held, None)
+    pool.opened(first.held, _Connection())  # a broken connection replaced
+    now[0] = 60.0
+    pool.sweep()  # idle past idle_s: closed
+    assert (pool.events["opened"], pool.events["closed"], pool.events["declined_busy"]) == (2, 2, 1)
+    assert len(pool) == 0
+
+
+async def test_an_observed_store_times_each_call_and_reports_its_failures():
+    from stateful_responses.state.storage import StorageError
+    from stateful_responses.state.storage.memory import MemoryStorage
+    from stateful_responses.state.storage.observed import Observed
+
+    told = []
+    storage = Observed(MemoryStorage({}), "memory", lambda *call: told.append(call))
+    await storage.open()
+    assert await storage.get("turns", [b"k"]) == {}
+    assert storage.name == storage.storage.name  # anything else passes as it is
+
+    async def broken(*args):
+        raise StorageError("down")
+
+    storage.storage.get = broken
+    try:
+        await storage.get("turns", [b"k"])
+    except StorageError:
+        pass
+    assert [(kind, operation, failed) for kind, operation, _, failed in told] == \
+        [("memory", "open", False), ("memory", "get", False), ("memory", "get", True)]
+    assert all(seconds >= 0 for _, _, seconds, _ in told)
