@@ -6,6 +6,7 @@ dependency of it (its transports depend on it, never the reverse); the emulator
 never imports the addon."""
 
 import ast
+import re
 import subprocess
 import sys
 
@@ -116,3 +117,33 @@ def test_the_emulator_never_imports_the_addon():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
     for path in (PACKAGE / "emulator").rglob("*.py"):
         assert all(within(m, "stateful_responses.emulator") for m in imported_modules(path)), path
+
+
+def test_every_module_the_addon_imports_is_the_standard_librarys_or_a_declared_dependencys():
+    """Nothing relies on what mitmproxy or a test extra happens to bring (mitmproxy 12.3 stopped bringing
+    zstandard): each third-party module comes from a dependency pyproject.toml declares, or from one of its
+    optional extras other than the tests' (imported only when that feature is on)."""
+    import tomllib
+    from importlib import metadata
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = list(project["dependencies"])
+    declared += [d for extra, deps in project.get("optional-dependencies", {}).items() if extra != "test" for d in deps]
+    names = {re.split(r"[<>=!~;\[ ]", d)[0].lower().replace("_", "-") for d in declared}
+    providers = metadata.packages_distributions()
+    undeclared = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                tops = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                tops = [node.module.split(".")[0]]
+            else:
+                continue
+            for top in tops:
+                if top in sys.stdlib_module_names or top == "stateful_responses":
+                    continue
+                distributions = {d.lower().replace("_", "-") for d in providers.get(top, [])}
+                if not distributions & names:
+                    undeclared.setdefault(top, set()).add(str(path.relative_to(PACKAGE)))
+    assert not undeclared, f"imported but not declared in pyproject.toml: {undeclared}"

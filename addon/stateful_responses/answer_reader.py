@@ -63,11 +63,11 @@ class _Decoder:
         elif enc == "deflate":
             self._obj = _Deflate()
         elif enc == "br":
-            import brotli  # a mitmproxy dependency
+            import brotli
 
             self._obj = _Brotli(brotli.Decompressor())
         elif enc == "zstd":
-            import zstandard  # a mitmproxy dependency
+            import zstandard
 
             self._obj = zstandard.ZstdDecompressor().decompressobj()
         else:

@@ -26,15 +26,49 @@ for _name in [n for n in sys.modules if n == "stateful_responses" or n.startswit
     del sys.modules[_name]
 
 
+def _requirement(module: str) -> str:
+    """The addon's own requirement for ``module`` (its bounds), where the addon is installed in this
+    Python; else the bare name (every dependency's package is named as its module)."""
+    from importlib import metadata
+
+    try:
+        requirements = metadata.requires("stateful-responses") or []
+    except metadata.PackageNotFoundError:
+        return module
+    for requirement in requirements:
+        name = requirement.split(";")[0]
+        for stop in "<>=!~ [(":
+            name = name.split(stop)[0]
+        if name.strip().lower().replace("-", "_") == module.lower():
+            return requirement.split(";")[0].replace(" ", "")
+    return module
+
+
+def _addon_installed() -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.distribution("stateful-responses")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def missing_dependency_message(module: str) -> str:
-    """What to tell someone whose mitmproxy cannot import ``module``."""
+    """What to tell someone whose mitmproxy cannot import ``module``: the package and the command that
+    installs it into the environment that lacks it."""
     if getattr(sys, "frozen", False):
         return (f"stateful-responses needs the Python package {module!r}, and mitmproxy's standalone "
                 "binaries bring their own Python that cannot load it: install mitmproxy with pipx or uv "
                 "instead, with the addon beside it: `pipx install mitmproxy && pipx inject mitmproxy "
                 "stateful-responses`, or `uv tool install mitmproxy --with stateful-responses`.")
+    install = f"`{sys.executable} -m pip install '{_requirement(module)}'`"
+    if _addon_installed():
+        return (f"stateful-responses needs the Python package {module!r}, which this mitmproxy's Python "
+                f"({sys.executable}) lacks although the addon is installed there: {install} installs it.")
     return (f"stateful-responses needs the Python package {module!r}, which this mitmproxy's Python "
-            f"({sys.executable}) lacks. Install the addon into mitmproxy's environment: "
+            f"({sys.executable}) lacks: {install} installs it. Better, install the addon itself into "
+            "mitmproxy's environment, which brings every package it needs: "
             "`pipx inject mitmproxy stateful-responses` (mitmproxy from pipx), "
             "`uv tool install mitmproxy --with stateful-responses` (from uv), or "
             f"`{sys.executable} -m pip install stateful-responses` (a checkout's path or a git URL "

@@ -39,7 +39,7 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NamedTuple
 
-import brotli  # a mitmproxy dependency, as the next
+import brotli
 import zstandard
 from urllib.parse import parse_qsl, urlsplit
 

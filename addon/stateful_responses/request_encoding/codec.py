@@ -16,8 +16,8 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
-import brotli  # a mitmproxy dependency
-import zstandard  # a mitmproxy dependency
+import brotli
+import zstandard
 
 CODINGS = ("zstd", "gzip", "deflate", "br")
 MAX_DECODED = 64 * 1024 * 1024

@@ -27,7 +27,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 from websockets.extensions.base import Extension
 from websockets.extensions.permessage_deflate import ClientPerMessageDeflateFactory, PerMessageDeflate
-from websockets.frames import CTRL_OPCODES, OP_CONT, Frame
+from websockets.frames import Frame, Opcode
 from websockets.protocol import State
 
 from ..bounded import Bounded
@@ -38,6 +38,7 @@ PING_S = 20.0  # a keepalive ping this often; no pong within as long closes the 
 MAX_MESSAGE = 64 * 1024 * 1024  # the largest event taken from the upstream (a long answer's terminal event)
 FRAGMENT = 1024 * 1024  # a larger message goes in frames of this size (RFC 6455 fragmentation)
 COMPRESS_UP_TO = 16 * 1024  # larger messages go uncompressed: deflate costs ~0.05 ms per kB of the event loop
+_CONTROL = (Opcode.CLOSE, Opcode.PING, Opcode.PONG)  # never compressed (RFC 7692)
 
 
 @dataclass(frozen=True)
@@ -86,9 +87,9 @@ class LargeUncompressed(PerMessageDeflate):
         self._as_is = False  # the message being sent goes uncompressed (its continuation frames too)
 
     def encode(self, frame: Frame) -> Frame:
-        if frame.opcode in CTRL_OPCODES:
+        if frame.opcode in _CONTROL:
             return frame
-        if frame.opcode is not OP_CONT:
+        if frame.opcode is not Opcode.CONT:
             self._as_is = len(frame.data) > COMPRESS_UP_TO
         return frame if self._as_is else super().encode(frame)
 
@@ -166,7 +167,7 @@ def client_certificate(client_certs: str | None, server_name: str) -> str | None
 
 def _ssl_context(tls: TLSOptions, certificate: str | None) -> ssl.SSLContext:
     if tls.ca_file is None and tls.ca_path is None:
-        import certifi  # a mitmproxy dependency: its default trust store
+        import certifi  # the trust store mitmproxy verifies upstreams with by default
 
         context = ssl.create_default_context(cafile=certifi.where())
     else:
