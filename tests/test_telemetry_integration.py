@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import time
 
 import httpx
@@ -117,6 +119,10 @@ def test_every_counter_matches_what_the_emulator_saw_and_prometheus_scrapes_it(e
     assert value(found, "stateful_request_added_seconds_count") == requests - 2 + 1
 
     # A real Prometheus server scrapes the proxy and reads the same figures.
+    if shutil.which("prometheus") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("Debian's prometheus is required in CI (.ci/run installs it)")
+        pytest.skip("no prometheus here (apt-get install prometheus): every figure above was checked, not its scrape")
     prometheus = PrometheusServer(tmp_path / "prometheus", [address])
     try:
         prometheus.scraped_up()
