@@ -27,6 +27,8 @@
            turn with permessage-deflate (websocket_bytes, websocket_uplink,
            websocket_latency, websocket_first_event, websocket_deflate,
            websocket_memory: one part)
+  metrics  stateful_metrics on vs off, side by side: the time a request
+           takes through each, and the telemetry hooks' own cost per request
   storage  the storage layer alone with 1 M forward-mode conversations (20,000
            with --quick) in each store, a Redis Cluster of three masters
            included: memory per conversation and per emulated turn, p50 / p99
@@ -1579,6 +1581,85 @@ def bench_websocket(quick: bool) -> list[str]:
     return rows[:-1]
 
 
+def telemetry_hooks_cost(rounds: int) -> float:
+    """Microseconds per request of the telemetry hooks with metrics on, in
+    this process (the median over ``rounds`` batches): a continued request's
+    flow through ``began``, ``request`` and ``response``."""
+    from mitmproxy.test import tflow
+    from stateful_responses.counters import Counters
+    from stateful_responses.flows import DECISION
+    from stateful_responses.telemetry.addon import Telemetry
+    from stateful_responses.telemetry.metrics import Metrics
+
+    telemetry = Telemetry(Config(), Counters(), lambda: (0, {}))
+    telemetry.metrics = Metrics(telemetry.sockets)
+    answer, batches, per_batch = tflow.tresp(), [], 1000
+    for _ in range(rounds):
+        flows = []
+        for _ in range(per_batch):  # made before the clock starts: only the hooks are timed
+            flow = tflow.tflow()
+            flow.request.url = "https://api.openai.com/v1/responses"
+            flow.request.method = "POST"
+            flow.request.raw_content = b'{"model": "m", "input": "x"}'
+            flows.append(flow)
+        start = time.perf_counter()
+        for flow in flows:
+            telemetry.began(flow)
+            flow.metadata[DECISION] = {"action": "continue", "items_total": 9, "items_sent": 1}
+            telemetry.request(flow)
+            flow.response = answer
+            telemetry.response(flow)
+        batches.append(time.perf_counter() - start)
+    return statistics.median(batches) / per_batch * 1e6
+
+
+def bench_metrics(quick: bool) -> list[str]:
+    """stateful_metrics on vs off: two proxies before one emulator, the same
+    conversations through each, request by request in turn."""
+    from harness import free_port
+
+    turns, rounds = (10, 4) if quick else (20, 15)
+    seconds: dict[str, list[float]] = {"off": [], "on": []}
+    address = f"127.0.0.1:{free_port()}"
+    with Emulator() as emu:
+        proxies = {"off": start_mitmdump(emu.url), "on": start_mitmdump(emu.url, "--set", f"stateful_metrics={address}")}
+        try:
+            with httpx.Client(trust_env=False, timeout=60) as http:
+                for n in range(rounds):
+                    conversations = {name: converse(http, [proxy.url], turns, f"metrics {name} {n}")
+                                     for name, proxy in proxies.items()}
+                    for steps in zip(*conversations.values()):  # interleaved: the machine's load falls on each alike
+                        for name, step in zip(conversations, steps):
+                            seconds[name].append(step.seconds)
+                scraped = http.get(f"http://{address}/metrics").text
+        finally:
+            for proxy in proxies.values():
+                proxy.stop()
+    from prometheus_client.parser import text_string_to_metric_families
+
+    added = next(f for f in text_string_to_metric_families(scraped) if f.name == "stateful_request_added_seconds")
+    count = next(s.value for s in added.samples if s.name.endswith("_count"))
+    total = next(s.value for s in added.samples if s.name.endswith("_sum"))
+    p50 = next(float(s.labels["le"]) for s in added.samples if s.name.endswith("_bucket") and s.value >= count / 2)
+    hooks = telemetry_hooks_cost(5 if quick else 21)
+    ms = {k: statistics.median(v) * 1000 for k, v in seconds.items()}
+    p99 = {k: percentile(v, 99) * 1000 for k, v in seconds.items()}
+    return ["| requests through mitmdump with the addon (median of "
+            f"{len(seconds['on'])} each, interleaved) | metrics off | metrics on | on − off (target ≤ +0.05 ms) |",
+            "|---|---|---|---|",
+            f"| time per request, p50 | {ms['off']:.2f} ms | {ms['on']:.2f} ms | **{ms['on'] - ms['off']:+.3f} ms** |",
+            f"| time per request, p99 | {p99['off']:.2f} ms | {p99['on']:.2f} ms | {p99['on'] - p99['off']:+.3f} ms |",
+            "",
+            "| the telemetry hooks alone, in process | per request |",
+            "|---|---|",
+            f"| counting a continued request (`began`, `request`, `response`: its decision, bytes, added time) | "
+            f"**{hooks:.1f} µs** |",
+            "",
+            f"The proxy's own time on those requests' path (`stateful_request_added_seconds` of the proxy with "
+            f"metrics on, everything the addon does before a request leaves): p50 ≤ {p50 * 1000:g} ms (its "
+            f"bucket), mean {total / count * 1000:.2f} ms."]
+
+
 def bench_storage(quick: bool) -> list[str]:
     return asyncio.run(storage_scale(20_000 if quick else 1_000_000, quick))
 
@@ -1586,7 +1667,7 @@ def bench_storage(quick: bool) -> list[str]:
 BENCHES = {"bytes": bench_bytes, "uplink": bench_uplink, "tax": bench_tax, "plan": bench_plan, "sse": bench_sse,
            "memory": bench_memory, "stores": bench_stores, "agents": bench_agents, "record": bench_record,
            "seal": bench_seal, "conversation": bench_conversation, "websocket": bench_websocket,
-           "storage": bench_storage,
+           "storage": bench_storage, "metrics": bench_metrics,
            **{part.__name__: part for part in (websocket_bytes, websocket_uplink, websocket_latency,
                                                websocket_first_event, websocket_deflate, websocket_memory)}}
 

@@ -14,7 +14,7 @@ from harness import ROOT
 
 PACKAGE = ROOT / "addon" / "stateful_responses"
 CAPABILITIES = ("forward", "store_emulation", "record", "router", "state", "websocket", "request_encoding",
-                "compaction")
+                "compaction", "telemetry")
 # The one continuation engine (planner and prefix store) and its transports: HTTP (forward mode) and the
 # upstream's WebSocket mode. A new transport is a capability beside them, with no planner of its own.
 ENGINE = "continuation"

@@ -185,7 +185,7 @@ def test_the_command_of_a_fresh_install_runs_a_reverse_proxy_over_http(version, 
     assert "Traceback" not in output, output
 
 
-@pytest.mark.parametrize("package", ["blake3", "msgspec", "websockets", "zstandard"])
+@pytest.mark.parametrize("package", ["blake3", "msgspec", "websockets", "zstandard", "prometheus_client"])
 def test_a_mitmproxy_without_a_dependency_exits_with_the_command_that_installs_it(package, tmp_path):
     from importlib import metadata
 

@@ -10,6 +10,7 @@ import os
 import sys
 import traceback
 import weakref
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from mitmproxy import http
@@ -39,6 +40,25 @@ HELD = "stateful_held"
 # A body mitmproxy streams, held back whole from the upstream (which gets it empty) because it names state the
 # emulations may expand: store emulation sends the request, as the request hooks leave it, in its place.
 WITHHELD = "stateful_withheld"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One LLM API call as the continuation record saw it, for telemetry:
+    counts, names and ids, never content (no prompt, no output, no credential)."""
+
+    protocol: str  # openai-responses, openai-chat, anthropic-messages, gemini-chat
+    model: str | None
+    chain_id: str  # the record's conversation: stable across turns, restarts and replicas
+    response_id: str | None
+    status: str | None  # the answer's status (None: no answer)
+    status_code: int | None  # the HTTP status the client got (None: a socket turn, or no answer)
+    input_tokens: int | None
+    output_tokens: int | None
+    client_transport: str  # http, or websocket (the client's own socket)
+    upstream_transport: str  # http, or websocket (the client's own socket, or the bridge's)
+    started: float  # epoch seconds
+    ended: float
 
 
 def hold(flow: http.HTTPFlow) -> None:

@@ -31,7 +31,8 @@ import traceback
 from typing import Any
 
 SOCKETS = "stateful_responses.websocket.sockets"  # what websockets says about the bridge's sockets
-LIBRARIES = ("websockets", "redis", "push_response", SOCKETS)
+# opentelemetry (the traces' SDK and exporter) and urllib3 under it: at DEBUG, the collector's URL and headers.
+LIBRARIES = ("websockets", "redis", "push_response", "opentelemetry", "urllib3", SOCKETS)
 LEVEL = logging.WARNING
 WITHHELD = "withheld: it may quote a request or a credential"
 _PREFIXES = tuple(name + "." for name in LIBRARIES)

@@ -24,6 +24,7 @@ from .state.addon import StateStore
 from .store_emulation.addon import ConversationEmulation, StoreEmulation
 from .store_emulation.conversations import Conversations
 from .store_emulation.history import History
+from .telemetry.addon import Telemetry
 from .tenancy import Tenancy
 from .upstreams import Upstreams
 from .view import ContentView
@@ -49,8 +50,13 @@ def make_addons() -> list:
     router = Router(config, counters, index, replays, conversation_emulation.full_history)
     forward = ForwardMode(planner, state, replays, proofs)
     decoding = DecodedRequests(config, counters)
+    bridge = WebSocketBridge(config, counters, tenancy, reader, upstreams, state, replays, planner, proofs)
+    telemetry = Telemetry(config, counters, lambda: (len(bridge.pool), bridge.pool.events))
+    record.listeners.append(telemetry.call)  # a span per call the record finishes
+    state.observer = telemetry.store_operation  # every backend call timed
     return [
         Options(config),  # first: parses every option before the others configure
+        telemetry.start,  # before every capability: a request's time on the proxy starts here
         state,
         decoding,  # before every capability: a compressed request body is read plain
         record,  # lifts the client's own request, before any change
@@ -63,11 +69,12 @@ def make_addons() -> list:
         # the summaries in the items' place)
         Compaction(config, counters, tenancy, reader, upstreams, state, replays, emulation.compact_history),
         # before forward mode: a flow it takes is answered over an upstream WebSocket, never rewritten
-        WebSocketBridge(config, counters, tenancy, reader, upstreams, state, replays, planner, proofs),
+        bridge,
         forward,
         decoding.encoded,  # after every change to a request: it goes upstream encoded as the client's
         router.answers,  # fails over after the ones above learned from the failed answer
         record.answers,  # records what the client got, after every change
+        telemetry,  # counts what the flow's metadata says the others did, once all of them are done
         ContentView(),  # the Stateful Responses view of every capability's flows, in mitmweb
         replays,  # last: its collector wraps the others' taps
         FrozenStartupHeap(),

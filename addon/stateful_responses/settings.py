@@ -91,6 +91,35 @@ def parse_websocket(name: str, value: object) -> str:
     raise SettingsError(f"{name}: expected one of {', '.join(WEBSOCKET_MODES)}, got {value!r}")
 
 
+def parse_listen(name: str, value: object) -> str:
+    """``off``, or ``HOST:PORT`` to listen on (an IPv6 host in brackets)."""
+    text = value.strip() if isinstance(value, str) else None
+    if text is None or text.lower() in ("off", ""):
+        if text is None:
+            raise SettingsError(f"{name}: expected off or HOST:PORT, got {value!r}")
+        return "off"
+    host, _, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SettingsError(f"{name}: expected off or HOST:PORT (a port from 1 to 65535), got {value!r}")
+    return text
+
+
+TRACES_MODES = ("off", "otlp")
+
+
+def parse_traces(name: str, value: object) -> str:
+    if isinstance(value, str) and value.strip().lower() in TRACES_MODES:
+        return value.strip().lower()
+    raise SettingsError(f"{name}: expected one of {', '.join(TRACES_MODES)}, got {value!r}")
+
+
+def listen_address(value: str) -> tuple[str, int]:
+    """The host and port of a ``parse_listen`` value other than ``off``."""
+    host, _, port = value.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
 def parse_store(name: str, value: object) -> str:
     if not isinstance(value, str):
         raise SettingsError(f"{name}: expected sqlite, sqlite:PATH, memory, redis://… or rediss://…")
@@ -182,6 +211,15 @@ OPTIONS: dict[str, tuple[Any, Any, Any, str]] = {
         "it: auto (the proxy compacts with the upstream's own model, its items sealed per tenant), or off "
         "(passed as sent). Compacted histories are handled exactly either way.",
     ),
+    "stateful_metrics": (
+        parse_listen, str, "off",
+        "Serve Prometheus metrics at http://HOST:PORT/metrics (off: none). Counts, never a credential or a prompt.",
+    ),
+    "stateful_traces": (
+        parse_traces, str, "off",
+        "otlp: one OpenTelemetry span per LLM API call, exported over OTLP as the OTEL_EXPORTER_OTLP_* variables "
+        "say (needs the otel extra: pip install 'stateful-responses[otel]').",
+    ),
     "stateful_debug": (parse_bool, bool, False, "Log one line per decision."),
 }
 PARSERS = {name: spec[0] for name, spec in OPTIONS.items()}
@@ -211,6 +249,8 @@ class Settings:
     upstream_websocket_first_event_s: int = 60
     upstream_websocket_silence_s: int = 300
     compaction: str = "auto"
+    metrics: str = "off"
+    traces: str = "off"
     debug: bool = False
 
     @classmethod

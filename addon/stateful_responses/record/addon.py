@@ -19,6 +19,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -32,6 +33,7 @@ from ..flows import (
     CONTINUATION,
     CONVERSATION,
     DECISION,
+    Call,
     EMULATION,
     HELD,
     RETRY_OF,
@@ -144,6 +146,7 @@ class _SocketTurn:
     n: int  # its place on the socket
     lane: object  # the ``stream_id`` of its lane (None: the default lane)
     started: bool = False  # its ``response.created`` came
+    began: float = field(default_factory=time.time)
 
 
 @dataclass
@@ -176,6 +179,8 @@ class ContinuationRecord:
         # by flow id: the turn, and the reader tapping the answer as it streams (and which answer)
         self._turns: PerFlow[tuple[Turn, LiftReader | None, http.Response | None]] = PerFlow()
         self._sockets: PerFlow[_SocketTurns] = PerFlow()
+        # told of every call once it is recorded (telemetry's traces): counts and ids, never content
+        self.listeners: list[Callable[[http.HTTPFlow, Call], None]] = []
 
     def configure(self, updated: set[str]) -> None:
         if "stateful_record_file" in updated:
@@ -268,7 +273,7 @@ class ContinuationRecord:
         sockets = self._sockets.pop(flow)
         for entry in sockets.open if sockets is not None else ():
             try:
-                self._finish_socket_turn(flow, entry.turn, None, entry.n)
+                self._finish_socket_turn(flow, entry.turn, None, entry.n, entry.began)
             except Exception:
                 internal_error(self.counters, "recording a WebSocket turn")
 
@@ -351,7 +356,7 @@ class ContinuationRecord:
         entry.lifter.event(kind, content.decode("utf-8", "replace"))
         if kind in TERMINAL_EVENTS:
             sockets.open.remove(entry)
-            self._finish_socket_turn(flow, entry.turn, entry.lifter.finish(), entry.n)
+            self._finish_socket_turn(flow, entry.turn, entry.lifter.finish(), entry.n, entry.began)
 
     async def _successor(self, flow: http.HTTPFlow, sockets: _SocketTurns, content: bytes,
                          lane: object) -> _SocketTurn | None:
@@ -374,7 +379,8 @@ class ContinuationRecord:
                 "its input is the steering input the server accepted for it", entry.turn.protocol, None))
         return entry
 
-    def _finish_socket_turn(self, flow: http.HTTPFlow, turn: Turn, answer: LiftedAnswer | None, n: int) -> None:
+    def _finish_socket_turn(self, flow: http.HTTPFlow, turn: Turn, answer: LiftedAnswer | None, n: int,
+                            began: float) -> None:
         self.index.finish(turn, answer)
         self.state.flush()
         record, audit = turn.record(), {"protocolMapping": turn.audit()}
@@ -384,6 +390,23 @@ class ContinuationRecord:
         self.file.append({"flow": flow.id, "turn": n, "time": time.time(), "protocol": turn.protocol,
                           "model": turn.request.model, "transport": {"client": "websocket", "upstream": "websocket"},
                           "continuation": record, "audit": audit})
+        self._tell(flow, turn, answer, None, "websocket", "websocket", began)
+
+    def _tell(self, flow: http.HTTPFlow, turn: Turn, answer: LiftedAnswer | None, status_code: int | None,
+              client: str, upstream: str, began: float) -> None:
+        """Tell the listeners of a recorded call (never raising into the record)."""
+        if not self.listeners:
+            return
+        usage = answer.usage if answer is not None else None
+        call = Call(turn.protocol, turn.request.model, turn.chain_id, answer.response_id if answer else None,
+                    answer.status if answer else None, status_code,
+                    usage.input_tokens if usage else None, usage.output_tokens if usage else None,
+                    client, upstream, began, time.time())
+        for listener in self.listeners:
+            try:
+                listener(flow, call)
+            except Exception:
+                internal_error(self.counters, "telling a listener of a call")
 
     @property
     def answers(self) -> RecordAnswers:
@@ -436,6 +459,8 @@ class ContinuationRecord:
         self.file.append({"flow": flow.id, "time": time.time(), "protocol": turn.protocol,
                           "model": turn.request.model, "transport": {"client": "http", "upstream": upstream_transport},
                           "continuation": record, "audit": audit})
+        self._tell(flow, turn, answer, flow.response.status_code if flow.response is not None else None, "http",
+                   upstream_transport, flow.request.timestamp_start)
 
 
 class RecordAnswers:

@@ -37,7 +37,9 @@ from .storage import (
     log_length,
     log_length_record,
     open_storage,
+    parse_store_spec,
 )
+from .storage.observed import Observed, Observer
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +96,7 @@ class StateStore:
         self._gave_up = False  # writes were given up in this outage (and a warning said so)
         self._given_up = 0  # writes given up since the start, all outages together
         self._caught_up: asyncio.Future | None = None  # done once nothing waits to be sent again
+        self.observer: Observer | None = None  # told of every backend call's time (telemetry)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -160,6 +163,8 @@ class StateStore:
                     if self.storage is None:
                         self.storage = open_storage(s.store, confdir, self._limits(),
                                                     max_bytes=s.store_max_mb * 1024 * 1024, spread=self._spread())
+                        if self.observer is not None:
+                            self.storage = Observed(self.storage, parse_store_spec(s.store).kind, self.observer)
                     await self.storage.open()
                     await self._share_secret(self.storage)
                     self.upstreams.load(await self.storage.scan(MARKS))

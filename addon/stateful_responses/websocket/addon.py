@@ -288,10 +288,12 @@ class WebSocketBridge:
                 self.pool.opened(held, await open_socket(target, tls_options()))
             except Refused as e:
                 self.pool.remove(held)
+                self.pool.events["refused"] += 1
                 self._refused(scope, label, e.status)
                 return
             except Unreachable as e:
                 self.pool.remove(held)
+                self.pool.events["unreachable"] += 1
                 if str(e) == "TimeoutError":  # the upstream took the connection and never answered the upgrade
                     self._refuses(scope, label, "never answered the WebSocket upgrade", REPROBE_S)
                     return
@@ -527,7 +529,8 @@ class WebSocketBridge:
         flow.metadata[BRIDGED] = {"transport": outcome.transport, "action": action,
                                   "previous_response_id": outcome.previous_response_id,
                                   "items_total": turn.items_total, "items_sent": outcome.items_sent,
-                                  "retries": list(outcome.retries), "dropped": outcome.dropped}
+                                  "retries": list(outcome.retries), "dropped": outcome.dropped,
+                                  "sent_bytes": outcome.sent_bytes}  # over sockets, every attempt's
         self._debug("%s (%s)", summary, job.label)
 
     def _refused(self, scope: str, label: str, status: int) -> None:

@@ -41,6 +41,8 @@ MAX_SOCKETS = 1024  # across every upstream + credential
 LIVE_S = 60.0  # a tip of unknown pace is live this long: an agent loop's next turn follows within seconds
 LIVE_GAPS = 3.0  # else live for this many times the longest wait between its conversation's turns
 MIN_LIVE_S = 2.0  # and at least this long
+# What befalls the pool's sockets, counted by name (telemetry reads ``Pool.events``): a fixed set.
+EVENTS = ("opened", "continued", "closed", "declined_busy", "declined_live", "refused", "unreachable")
 
 
 @dataclass(eq=False)
@@ -92,6 +94,7 @@ class Pool:
         self._scopes: dict[str, list[Held]] = {}
         self._total = 0
         self._closing: list = []  # connections taken out of the pool, for the caller to close
+        self.events: dict[str, int] = dict.fromkeys(EVENTS, 0)  # every name present: read from another thread
 
     def __len__(self) -> int:
         return self._total
@@ -113,6 +116,7 @@ class Pool:
         if extended:
             held = max(extended, key=lambda h: h.tip.length if h.tip else 0)
             held.gap = max(held.gap, now - held.used)
+            self.events["continued"] += 1
             return Choice(self._take(held, now), held.tip, False)
         blank = [h for h in idle if h.tip is None]
         if blank:
@@ -127,7 +131,9 @@ class Pool:
         if replaceable:
             held = min(replaceable, key=lambda h: h.used)
             return Choice(self._take(held, now, anew=True), None, False)
-        return Declined("live" if idle else "busy")
+        reason = "live" if idle else "busy"
+        self.events[f"declined_{reason}"] += 1
+        return Declined(reason)
 
     def _live_for(self, held: Held) -> float:
         return self.live_s if held.gap == 0 else max(MIN_LIVE_S, LIVE_GAPS * held.gap)
@@ -142,8 +148,11 @@ class Pool:
 
     def opened(self, held: Held, connection: Any) -> None:
         """``held`` has a connection (new, or replacing one that broke)."""
+        if held.connection is not None:
+            self.events["closed"] += 1  # the one it replaces
         held.connection = connection
         held.opened = held.used = self.clock()
+        self.events["opened"] += 1
         held.tip = None
 
     def release(self, held: Held, tip: Tip | None) -> Any | None:
@@ -161,6 +170,8 @@ class Pool:
         if sockets is not None and held in sockets:
             sockets.remove(held)
             self._total -= 1
+            if held.connection is not None:
+                self.events["closed"] += 1
             if not sockets:
                 del self._scopes[held.scope]
         held.retired = True

@@ -66,6 +66,7 @@ class Outcome:
     refused_continuation: Any = None  # the error code (or status) a continuation was refused with
     refused_the_field: bool = False  # ... by an error that names previous_response_id (not the socket's state)
     closes_unused: bool = False  # sockets opened for this turn, two in a row, closed before their first event
+    sent_bytes: int = 0  # the messages sent over sockets for it, every attempt's
 
 
 @dataclass
@@ -130,6 +131,7 @@ async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
         previous = continued.response_id if continued is not None else None
         message = turn.delta_message if continued is not None else turn.full_message
         assert message is not None
+        outcome.sent_bytes += len(message)
         exchange = await _exchange(held.connection, message, previous, turn, answer)
         if exchange.kind == "answered":
             outcome.previous_response_id = previous

@@ -27,6 +27,7 @@ from .common import (
     Status,
     ToolResult,
     as_list,
+    usage_of,
     parse_json,
     tool_result,
     without_nulls,
@@ -140,6 +141,7 @@ class Answer:
         self._stop_reason: Any = None
         self._done = False
         self._error = False
+        self._usage = None
 
     @property
     def complete(self) -> bool:
@@ -156,6 +158,7 @@ class Answer:
         self._blocks = as_list(doc.get("content"))
         self._input_json = {}
         self._stop_reason = doc.get("stop_reason")
+        self._usage = usage_of(doc.get("usage"), "input_tokens", "output_tokens")
 
     def event(self, name: str, data: str) -> None:
         try:
@@ -170,6 +173,7 @@ class Answer:
         elif kind == "message_start":
             if isinstance(doc.get("message"), dict):
                 self._message = doc["message"]
+                self._usage = usage_of(self._message.get("usage"), "input_tokens", "output_tokens", self._usage)
                 self._blocks = [dict(b) if isinstance(b, dict) else b for b in as_list(self._message.get("content"))]
         elif self._message is None:
             return  # the SDK refuses events before message_start
@@ -179,6 +183,7 @@ class Answer:
             self._delta(doc.get("index"), doc.get("delta"))
         elif kind == "message_delta" and isinstance(doc.get("delta"), dict):
             self._stop_reason = doc["delta"].get("stop_reason")
+            self._usage = usage_of(doc.get("usage"), "input_tokens", "output_tokens", self._usage)  # cumulative
         elif kind == "message_stop":
             self._done = True
 
@@ -239,6 +244,7 @@ class Answer:
             pending_tool_calls=pending,
             audit=audit.entries,
             paused=stop == "pause_turn",
+            usage=self._usage,
         )
 
 

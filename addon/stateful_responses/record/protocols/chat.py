@@ -32,6 +32,7 @@ from .common import (
     Status,
     ToolResult,
     as_list,
+    usage_of,
     comparable_arguments,
     parse_json,
     tool_result,
@@ -212,6 +213,7 @@ class Answer:
         self._other_choices = False
         self._done = False
         self._error = False
+        self._usage = None
 
     @property
     def complete(self) -> bool:
@@ -227,6 +229,7 @@ class Answer:
             self._error = isinstance(doc.get("error"), dict)
             return
         self._response_id = doc.get("id")
+        self._usage = usage_of(doc.get("usage"), "prompt_tokens", "completion_tokens")
         for choice in choices:
             if isinstance(choice, dict) and choice.get("index", 0) == 0:
                 if isinstance(choice.get("message"), dict):
@@ -252,6 +255,7 @@ class Answer:
             return  # the SDK's stream helper skips these (Azure's content filter events)
         if self._response_id is None:
             self._response_id = chunk.get("id")
+        self._usage = usage_of(chunk.get("usage"), "prompt_tokens", "completion_tokens", self._usage)
         for choice in as_list(chunk.get("choices")):
             if not isinstance(choice, dict) or choice.get("index") != 0:
                 self._other_choices = True
@@ -289,4 +293,5 @@ class Answer:
             messages=[message],
             pending_tool_calls=pending,
             audit=audit.entries,
+            usage=self._usage,
         )

@@ -100,6 +100,27 @@ class LiftedRequest:
     conversation_id: str | None = None  # openai-responses: the stored conversation it is made in
 
 
+@dataclass(frozen=True)
+class Usage:
+    """The tokens an answer says it used (None: it does not say): counts, never content."""
+
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+
+
+def usage_of(doc: Any, input_key: str, output_key: str, before: Usage | None = None) -> Usage | None:
+    """The usage ``doc`` (a usage object) reports, over what ``before`` had:
+    a field it lacks keeps the earlier count (streams report it in parts)."""
+    if not isinstance(doc, dict):
+        return before
+    before = before or Usage()
+    return Usage(_count(doc.get(input_key), before.input_tokens), _count(doc.get(output_key), before.output_tokens))
+
+
+def _count(value: Any, otherwise: int | None) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else otherwise
+
+
 @dataclass
 class LiftedAnswer:
     protocol: Protocol
@@ -114,6 +135,7 @@ class LiftedAnswer:
     # A server tool loop paused (Anthropic's pause_turn): the client resends the
     # conversation as it stands, this answer included, to let it go on.
     paused: bool = False
+    usage: Usage | None = None  # the tokens it reports, where it does
 
 
 class Audit:

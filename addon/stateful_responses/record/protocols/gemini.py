@@ -35,6 +35,7 @@ from .common import (
     Status,
     ToolResult,
     as_list,
+    usage_of,
     digest_hex,
     parse_json,
     tool_result,
@@ -269,6 +270,7 @@ class Answer:
         self._blocked = False
         self._error = False
         self._done = False
+        self._usage = None
 
     @property
     def complete(self) -> bool:
@@ -295,6 +297,7 @@ class Answer:
             return
         if self._response_id is None:
             self._response_id = chunk.get("responseId")
+        self._usage = usage_of(chunk.get("usageMetadata"), "promptTokenCount", "candidatesTokenCount", self._usage)
         feedback = chunk.get("promptFeedback")
         if isinstance(feedback, dict) and feedback.get("blockReason"):
             self._blocked = True
@@ -345,4 +348,5 @@ class Answer:
             pending_tool_calls=calls,
             audit=audit.entries,
             hints=hints,
+            usage=self._usage,
         )

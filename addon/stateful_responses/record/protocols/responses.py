@@ -17,7 +17,7 @@ import msgspec
 
 from ...items import COMPACTION_TRIGGER, as_item_list, is_compaction_trigger, normalize_item
 from ...answer_reader import RESPONSE_EVENTS, TERMINAL_EVENTS
-from .common import Audit, Kind, LiftedAnswer, LiftedRequest, Status, ToolResult, parse_json, tool_result
+from .common import Audit, Kind, LiftedAnswer, LiftedRequest, Status, ToolResult, parse_json, tool_result, usage_of
 
 PROTOCOL = "openai-responses"
 STATUSES = frozenset({"completed", "incomplete", "failed", "in_progress", "queued", "cancelled"})
@@ -309,4 +309,5 @@ class Answer:
             pending_tool_calls=pending,
             audit=audit.entries,
             ids=[i["id"] if isinstance(i, dict) and isinstance(i.get("id"), str) else None for i in output],
+            usage=usage_of(response.get("usage"), "input_tokens", "output_tokens"),
         )
