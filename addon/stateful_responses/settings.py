@@ -176,6 +176,12 @@ OPTIONS: dict[str, tuple[Any, Any, Any, str]] = {
         "Seconds a turn on an upstream WebSocket waits for each next event; then the socket is dropped: the turn "
         "goes over HTTP if the client has no byte of it yet, else its stream breaks, as a dropped HTTP stream.",
     ),
+    "stateful_client_websocket": (
+        parse_websocket, str, "auto",
+        "Serve the Responses API's WebSocket mode to clients (openai SDK connect(), openai-agents, Codex) of an "
+        "upstream without it, each turn sent over HTTP: auto (where the upstream refuses the upgrade; learned per "
+        "upstream + credential) or off (upgrades pass through untouched).",
+    ),
     "stateful_debug": (parse_bool, bool, False, "Log one line per decision."),
 }
 PARSERS = {name: spec[0] for name, spec in OPTIONS.items()}
@@ -204,6 +210,7 @@ class Settings:
     upstream_websocket_idle_s: int = 300
     upstream_websocket_first_event_s: int = 60
     upstream_websocket_silence_s: int = 300
+    client_websocket: str = "auto"
     debug: bool = False
 
     @classmethod
