@@ -80,6 +80,8 @@ def errors(client: openai.OpenAI) -> dict:
     out of rules, background, a steer; then a turn goes on as normal on the same socket."""
     got = {}
     with client.responses.connect(websocket_connection_options=OPEN) as conn:
+        conn.response.create(model=MODEL, input="the upstream refuses this one")  # the test's fault
+        got["upstream_refusal"] = until_done(conn)[1].model_dump()
         conn.response.create(model=MODEL, input="x", store=False, previous_response_id="resp_nowhere")
         got["not_found"] = until_done(conn)[1].model_dump()
         conn.send({"type": "response.create", "model": MODEL, "input": "x", "stream_id": "bad id!"})
@@ -94,8 +96,6 @@ def errors(client: openai.OpenAI) -> dict:
         conn.response.create(model=MODEL, input="after the refusals")
         types, last = until_done(conn)
         got["after"] = {"type": last.type, "events": types}
-        conn.response.create(model=MODEL, input="x", extra_body={"temperature": "hot"})
-        got["upstream_refusal"] = until_done(conn)[1].model_dump()
     return got
 
 
