@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 
 import openai
 from openai.lib.responses_websocket import AsyncResponsesWebSocketSession, ResponsesWebSocketLimits
 
-MODEL = "gpt-test"
+MODEL = os.environ.get("WS_MODEL", "gpt-test")
+KEY = os.environ.get("WS_KEY", "sk-ws-served")
 OPEN = {"open_timeout": 60}  # a busy machine's regular proxy mints a certificate meanwhile
 LIMITS = ResponsesWebSocketLimits(max_lanes=4, max_events_per_lane=256, max_events=512, max_bytes_per_lane=1 << 22,
                                   max_bytes=1 << 23)
@@ -149,7 +151,7 @@ def agents_runs(base_url: str) -> dict:
         return f"{city}: 21C"
 
     async def run(given: object, **options: object) -> object:
-        client = openai.AsyncOpenAI(api_key="sk-ws-served", base_url=base_url, max_retries=0)
+        client = openai.AsyncOpenAI(api_key=KEY, base_url=base_url, max_retries=0)
         provider = agents.OpenAIProvider(openai_client=client, use_responses_websocket=True)
         agent = agents.Agent(name="assistant", instructions="Be terse.", tools=[get_weather], model=MODEL)
         return await agents.Runner.run(agent, given, run_config=agents.RunConfig(model_provider=provider),
@@ -167,5 +169,5 @@ if __name__ == "__main__":
         print(json.dumps(agents_runs(base_url)))
         sys.exit()
     make = openai.AsyncOpenAI if scenario == "lanes" else openai.OpenAI
-    print(json.dumps(globals()[scenario](make(api_key="sk-ws-served", base_url=base_url, max_retries=0)),
+    print(json.dumps(globals()[scenario](make(api_key=KEY, base_url=base_url, max_retries=0)),
                      default=str))

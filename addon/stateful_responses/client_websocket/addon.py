@@ -34,7 +34,7 @@ from mitmproxy.proxy import mode_specs
 
 from ..bounded import Bounded
 from ..counters import Counters
-from ..flows import HELD, SERVED_SOCKET, SOCKET_TURN, internal_error, request_of
+from ..flows import HELD, SERVED_SOCKET, SOCKET_TURN, PerFlow, internal_error, request_of
 from ..request_reader import upstream_of
 from ..settings import Config
 from ..state.access import StateAccess
@@ -88,6 +88,7 @@ class ClientWebSocket:
         self._turns: dict[str, asyncio.Queue] = {}  # turn flow id -> where its answer goes
         self._sockets: dict[str, _Socket] = {}  # upgrade flow id -> its socket (to restore its request)
         self._tasks: set[asyncio.Task] = set()
+        self._passed: PerFlow[tuple[str, str]] = PerFlow()  # an upgrade passed to the upstream: its scope, label
         tenancy.on_new_secret(self._has_mode.clear)
 
     # -- hooks -------------------------------------------------------------------
@@ -132,6 +133,25 @@ class ClientWebSocket:
             parts.put_nowait(("data", flow.response.raw_content or b""))
         parts.put_nowait(("end", None))
 
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
+        """A socket passed to an upstream that took a ``response.create`` and
+        closed before any event (LiteLLM's pass-through to an upstream without
+        the mode): a verdict drawn from a fault, for ``REPROBE_S``; the
+        client's next socket is served by the proxy."""
+        passed = self._passed.pop(flow)
+        if passed is None or flow.websocket is None or flow.websocket.closed_by_client:
+            return
+        messages = flow.websocket.messages
+        if any(not m.from_client for m in messages) or not any(
+                m.from_client and b'"response.create"' in m.content for m in messages):
+            return
+        scope, label = passed
+        self._has_mode.pop(scope, None)
+        if self.upstreams.mark("refuses_websocket", scope, REPROBE_S):
+            logger.info("stateful-responses: %s closed a WebSocket before its first event: the proxy serves "
+                        "WebSocket mode to its clients for %ds", label, REPROBE_S)
+        self.state.flush()
+
     def error(self, flow: http.HTTPFlow) -> None:
         self._sockets.pop(flow.id, None)
         parts = self._turns.pop(flow.id, None)
@@ -152,6 +172,7 @@ class ClientWebSocket:
         assert upstream is not None
         scope, label = self.tenancy.scope(upstream, credential_material(request_of(flow)))
         if not await self._lacks_mode(flow, scope, label):
+            self._passed.put(flow, (scope, label))
             return
         if self._open.get(scope, 0) >= MAX_SOCKETS_PER_CREDENTIAL:
             self._debug("ws client: %s has %d sockets served already; this upgrade passes through", label,

@@ -257,10 +257,14 @@ class Outcome:
     _done: dict[int, bytes] = field(default_factory=dict)
 
     def read(self, kind: str, data: str) -> None:
-        if kind != "response.output_item.done" and kind not in TERMINAL:
+        """One SSE event: its ``event:`` name, else (servers that send ``data:`` alone) the type it holds."""
+        if kind and kind != "response.output_item.done" and kind not in TERMINAL:
             return
         try:
             answer = _ANSWER.decode(data)
+            kind = kind or answer.type
+            if kind != "response.output_item.done" and kind not in TERMINAL:
+                return
             if kind == "response.output_item.done":
                 if answer.item and isinstance(answer.output_index, int):
                     self._done[answer.output_index] = bytes(answer.item)
