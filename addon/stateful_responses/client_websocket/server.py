@@ -173,8 +173,9 @@ class Session:
         posted = self.post(body, n, create)
         try:
             outcome, status, refusal = await self._relay(posted, lane)
-        finally:
-            posted.cancel()
+        except BaseException:
+            posted.cancel()  # the socket closed: its turns are given up, as the mode drops them
+            raise
         if status is None or status >= 300:
             await self.send(upstream_error(status or 502, bytes(refusal), lane))
             if parent is not None and parent.lane == lane:
@@ -190,7 +191,9 @@ class Session:
             self.memory.put(outcome.response_id, Remembered(items, lane, outcome.stored))
 
     async def _relay(self, posted: Posted, lane: str | None) -> tuple[Outcome, int | None, bytearray]:
-        """The answer's events to the client as they come, each one text message."""
+        """The answer's events to the client as they come, each one text message, until its terminal event:
+        the lane's next create may go then (forward mode learned from the answer before this tap saw its
+        last event; what the stream still carries after it, mitmproxy's hooks finish on their own)."""
         outcome, parser, refusal, status = Outcome(), SSEParser(), bytearray(), None
         while True:
             kind, value = await posted.parts.get()
@@ -212,6 +215,8 @@ class Session:
                     continue
                 outcome.read(name, data)
                 await self.send(framed(data, lane))
+                if outcome.terminal is not None:
+                    return outcome, status, refusal
         return outcome, status, refusal
 
     async def send(self, message: bytes) -> None:
