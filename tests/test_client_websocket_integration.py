@@ -19,6 +19,7 @@ import pytest
 from driver import expand_input, meaning
 from stateful_responses.emulator import Emulator
 from test_https_proxy_integration import self_signed
+from test_node_clients_integration import node_clients  # noqa: F401 - a fixture
 from test_record_integration import wait_for_lines
 
 CLIENTS = Path(__file__).with_name("ws_served_clients.py")
@@ -165,3 +166,30 @@ def test_off_leaves_the_upgrade_to_the_upstream(start_proxy):
         result = subprocess.run([sys.executable, str(CLIENTS), "stored", proxy.url + "/v1"], capture_output=True,
                                 text=True, timeout=120)
     assert result.returncode != 0 and "404" in result.stderr
+
+
+def test_openai_agents_js_websocket_transport_runs_over_an_upstream_without_the_mode(node_clients, start_proxy,
+                                                                                       tmp_path):
+    """The TypeScript Agents SDK (``useResponsesWebSocket``): three runs, the second resending the first's
+    history whole, the third continuing the second by id; it ignores HTTPS_PROXY: reverse mode only."""
+    record = tmp_path / "record.jsonl"
+    with Emulator() as emu:
+        emu.model.control({"websocket": "refuse"})
+        proxy = start_proxy(emu.url, "--set", f"stateful_record_file={record}", "--set", "stateful_store=memory")
+        major = int(subprocess.run(["node", "--version"], capture_output=True, text=True).stdout.lstrip("v")
+                    .split(".")[0])
+        flags = ["--experimental-websocket"] if major < 22 else []
+        result = subprocess.run(["node", *flags, "openai_agents_websocket.mjs", proxy.url + "/v1"],
+                                cwd=node_clients, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:] + proxy.output()[-3000:]
+        wait_for_lines(record, 6)
+        seen = responses(emu.model.snapshot_log())
+    assert len(seen) == 6 and all(r["transport"] == "http" for r in seen)  # a tool call and its answer, thrice
+    # each run's second turn saw its first turn whole, and the third run saw the second's whole conversation
+    for first, second in ((0, 1), (2, 3), (4, 5)):
+        assert seen[second]["context"][: len(seen[first]["context"])] == seen[first]["context"]
+    assert meaning(seen[4]["context"][: len(seen[3]["context"]) + 1]) == meaning(seen[3]["context"]
+                                                                                + seen[3]["output"][:1])
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    assert all(line["transport"] == {"client": "websocket", "upstream": "http"} for line in lines)
+    assert len({line["continuation"]["chainId"] for line in lines}) == 1  # one conversation, across sockets
