@@ -237,3 +237,26 @@ def test_an_unknown_token_is_refused_at_the_upgrade():
                 pass
         server.close()
     asyncio.run(go())
+
+
+def test_an_idle_socket_is_closed_normally_and_a_busy_one_is_not(monkeypatch):
+    from stateful_responses.client_websocket import server as server_module
+
+    monkeypatch.setattr(server_module, "WATCH_S", 0.05)
+
+    async def go():
+        hold = asyncio.Event()
+        upstream = Upstream(hold)
+        session = Session(upstream.post, idle_s=0.2)
+        server, url = await serve(session)
+        async with connect(url) as ws:
+            await ws.send(create(input="slow").decode())
+            await asyncio.sleep(0.6)  # idle of messages, but its turn runs: kept open
+            hold.set()
+            await until(ws, "response.completed")
+            with pytest.raises(Exception):
+                await asyncio.wait_for(ws.recv(), 5)
+            assert ws.close_code == 1000
+        assert session.closed.is_set() and len(session.memory) == 0  # its memory went with it
+        server.close()
+    asyncio.run(go())
