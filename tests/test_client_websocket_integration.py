@@ -25,27 +25,37 @@ from test_record_integration import wait_for_lines
 CLIENTS = Path(__file__).with_name("ws_served_clients.py")
 
 
-@pytest.fixture(params=["reverse", "regular"])
+@pytest.fixture(params=["reverse", "regular", "transparent"])
 def run(request, start_proxy, tmp_path):
     """``run(scenario, *options, **control)``: the scenario's client through mitmdump in front of the emulator
     (its WebSocket mode off unless ``websocket`` is given); what the client printed, the emulator's log, the
-    record file's lines and mitmdump's output."""
-    regular = request.param == "regular"
+    record file's lines and mitmdump's output. Transparent mode without root networking: mitmproxy's lookup of
+    a redirected connection's original destination is replaced by one naming the emulator, whose certificate
+    names localhost only (the probe upgrade must use the Host header's name)."""
+    mode = request.param
     record = tmp_path / "record.jsonl"
 
     def go(scenario: str, *options: str, lines: int = 0, **control) -> tuple[dict, list[dict], list[dict], str]:
-        cert, key = self_signed(tmp_path) if regular else (None, None)
+        cert, key = self_signed(tmp_path, dns_name="localhost") if mode != "reverse" else (None, None)
         with Emulator(certfile=cert, keyfile=key) as emu:
             emu.model.control({"websocket": "refuse", **control})
-            extra = ("--set", f"ssl_verify_upstream_trusted_ca={cert}") if regular else ()
+            extra: tuple = ("--set", f"ssl_verify_upstream_trusted_ca={cert}") if mode != "reverse" else ()
+            if mode == "transparent":
+                original_destination = tmp_path / "original_destination.py"
+                original_destination.write_text("from mitmproxy import platform\n"
+                                                f"platform.original_addr = lambda sock: ('127.0.0.1', {emu.port})\n")
+                extra += ("-s", str(original_destination))
             proxy = start_proxy(emu.url, "--set", f"stateful_record_file={record}", "--set", "stateful_store=memory",
                                 "--set", "stateful_debug=true", *extra, *options,
-                                mode="regular" if regular else None)
+                                mode=None if mode == "reverse" else mode)
             env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
-            if regular:
-                env.update(HTTPS_PROXY=proxy.url, NO_PROXY="", SSL_CERT_FILE=str(Path(proxy.confdir) /
-                                                                                "mitmproxy-ca-cert.pem"))
-            base_url = (emu.url if regular else proxy.url) + "/v1"
+            ca = str(Path(proxy.confdir) / "mitmproxy-ca-cert.pem")
+            if mode == "regular":
+                env.update(HTTPS_PROXY=proxy.url, NO_PROXY="", SSL_CERT_FILE=ca)
+            elif mode == "transparent":
+                env.update(SSL_CERT_FILE=ca)
+            base_url = {"reverse": proxy.url, "regular": emu.url.replace("127.0.0.1", "localhost"),
+                        "transparent": f"https://localhost:{proxy.port}"}[mode] + "/v1"
             result = subprocess.run([sys.executable, str(CLIENTS), scenario, base_url], env=env,
                                     capture_output=True, text=True, timeout=120)
             assert result.returncode == 0, result.stderr[-3000:] + proxy.output()[-3000:]

@@ -53,7 +53,8 @@ HAS_MODE_S = 3600.0  # an upstream + credential that accepted a probe upgrade is
 REPROBE_S = 3600.0  # a verdict drawn from an upgrade never answered holds this long
 CLAIM_S = 60.0  # an upgrade pointed at the loopback server that does not arrive by then is forgotten
 MAX_SOCKETS_PER_CREDENTIAL = 64  # client sockets served at once per upstream + credential; more pass through
-_NOT_CARRIED = frozenset({"connection", "upgrade", "host", "content-length", "transfer-encoding", "keep-alive",
+# The upgrade's headers a turn's request does not carry (Host stays: TLS's name in transparent mode).
+_NOT_CARRIED = frozenset({"connection", "upgrade", "content-length", "transfer-encoding", "keep-alive",
                           "proxy-authorization", "proxy-connection", "te", "trailer"})
 
 
@@ -332,6 +333,6 @@ def _target(request: http.Request) -> Target:
     if request.port != (443 if request.scheme == "https" else 80):
         netloc += f":{request.port}"
     headers = tuple((k, v) for k, v in request.headers.items(multi=True)
-                    if k.lower() not in _NOT_CARRIED and not _websocket_header(k.lower()))
+                    if k.lower() not in _NOT_CARRIED and k.lower() != "host" and not _websocket_header(k.lower()))
     return Target(f"{'wss' if request.scheme == 'https' else 'ws'}://{netloc}{request.path}", name, request.host,
                   request.port, headers)
