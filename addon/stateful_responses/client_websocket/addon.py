@@ -28,6 +28,7 @@ import ipaddress
 import logging
 import secrets
 import time
+from collections.abc import Callable
 
 from mitmproxy import ctx, http
 from mitmproxy.proxy import mode_specs
@@ -66,11 +67,12 @@ class _Socket:
     """A client socket the proxy serves: the upgrade as the client sent it,
     the session answering it, and its turns' answers under way."""
 
-    def __init__(self, flow: http.HTTPFlow, scope: str, label: str, session: Session) -> None:
+    def __init__(self, flow: http.HTTPFlow, scope: str, label: str, post: Callable[..., Posted]) -> None:
         self.template = flow.copy()  # the client's connection, mode and upgrade, for each turn's request
         self.client = flow.request.copy()
         self.flow_id = flow.id
-        self.scope, self.label, self.session = scope, label, session
+        self.scope, self.label = scope, label
+        self.session = Session(lambda body, n, create: post(self, body, n, create))
 
 
 class ClientWebSocket:
@@ -179,8 +181,7 @@ class ClientWebSocket:
             self._debug("ws client: %s has %d sockets served already; this upgrade passes through", label,
                         MAX_SOCKETS_PER_CREDENTIAL)
             return
-        socket = _Socket(flow, scope, label, None)  # type: ignore[arg-type]
-        socket.session = Session(lambda body, n, create: self._post(socket, body, n, create))
+        socket = _Socket(flow, scope, label, self._post)
         token = secrets.token_urlsafe(24)
         await self.loopback.start()
         self._open[scope] = self._open.get(scope, 0) + 1
