@@ -260,3 +260,26 @@ def test_an_idle_socket_is_closed_normally_and_a_busy_one_is_not(monkeypatch):
         assert session.closed.is_set() and len(session.memory) == 0  # its memory went with it
         server.close()
     asyncio.run(go())
+
+
+def test_an_internal_error_is_the_turns_error_event_and_the_socket_goes_on():
+    async def go():
+        upstream = Upstream()
+        calls = []
+
+        def post(body: bytes, n: int, create) -> Posted:
+            calls.append(n)
+            if n == 0:
+                raise RuntimeError("a prompt could be quoted here")
+            return upstream.post(body, n, create)
+
+        server, url = await serve(Session(post))
+        async with connect(url) as ws:
+            await ws.send(create(input="breaks").decode())
+            [failed] = await until(ws, "error")
+            assert failed["status"] == 500 and "prompt" not in json.dumps(failed)
+            await ws.send(create(input="works").decode())
+            await until(ws, "response.completed")
+        assert calls == [0, 1]
+        server.close()
+    asyncio.run(go())

@@ -149,7 +149,14 @@ class Session:
             while queue:
                 create, n = queue.popleft()
                 async with self._active:
-                    await self._turn(create, n)
+                    try:
+                        await self._turn(create, n)
+                    except Exception:  # noqa: BLE001 - the socket and its other turns go on
+                        logger.warning("stateful-responses: internal error while serving a WebSocket turn",
+                                       exc_info=False)  # never its message: it could quote the request
+                        await self.send(error_event(500, {"type": "server_error", "code": None, "param": None,
+                                                          "message": "The proxy could not serve this turn."},
+                                                    create.lane))
         finally:
             self._queues.pop(lane, None)
             self._workers.pop(lane, None)
