@@ -29,6 +29,9 @@
            websocket_memory: one part)
   metrics  stateful_metrics on vs off, side by side: the time a request
            takes through each, and the telemetry hooks' own cost per request
+  client_websocket  the WebSocket mode the proxy serves over an upstream without
+           it: first event on the proxy's socket next to SSE through the proxy
+           over HTTP, and the client's uplink bytes per turn on each
   storage  the storage layer alone with 1 M forward-mode conversations (20,000
            with --quick) in each store, a Redis Cluster of three masters
            included: memory per conversation and per emulated turn, p50 / p99
@@ -1658,6 +1661,88 @@ def bench_metrics(quick: bool) -> list[str]:
             f"The proxy's own time on those requests' path (`stateful_request_added_seconds` of the proxy with "
             f"metrics on, everything the addon does before a request leaves): p50 ≤ {p50 * 1000:g} ms (its "
             f"bucket), mean {total / count * 1000:.2f} ms."]
+def served_socket_times(url: str, rounds: int) -> tuple[list[float], list[int]]:
+    """A conversation on a socket the proxy serves: each later turn's ``response.create`` (previous_response_id +
+    the new message, ``store: false``: from the socket's memory) to its first event, and each message's bytes."""
+    import websockets.sync.client
+
+    times, sizes, previous = [], [], None
+    with websockets.sync.client.connect(url.replace("http", "ws", 1) + "/v1/responses", additional_headers=AUTH,
+                                        proxy=None, open_timeout=60) as ws:
+        for n in range(rounds + 1):
+            message = json.dumps({"type": "response.create", "model": "gpt-bench", "tools": TOOLS,
+                                  "input": [{"role": "user", "content": f"served {n}: tell me a long story"}],
+                                  **STORE_FALSE, **({"previous_response_id": previous} if previous else {})})
+            started = time.perf_counter()
+            ws.send(message)
+            first = None
+            while True:
+                event = json.loads(ws.recv(timeout=60))
+                first = first or time.perf_counter() - started
+                if event["type"] in ("response.completed", "error"):
+                    assert event["type"] == "response.completed", event
+                    previous = event["response"]["id"]
+                    break
+            times.append(first)
+            sizes.append(len(message))
+    return times[1:], sizes[1:]
+
+
+def http_sse_turns(url: str, rounds: int) -> tuple[list[float], list[int]]:
+    """The same conversation over HTTP, streamed, its whole history each turn (``store: false``): each later
+    turn's time to its first SSE bytes, and each body's bytes."""
+    history: list = []
+    times, sizes = [], []
+    with httpx.Client(trust_env=False, timeout=60) as http:
+        for n in range(rounds + 1):
+            history.append({"role": "user", "content": f"served {n}: tell me a long story"})
+            body = json.dumps({"model": "gpt-bench", "stream": True, "tools": TOOLS, "input": history, **STORE_FALSE})
+            started, first, events = time.perf_counter(), None, b""
+            with http.stream("POST", url + "/v1/responses", content=body,
+                             headers={**AUTH, "content-type": "application/json"}) as r:
+                for chunk in r.iter_raw():
+                    if first is None and chunk:
+                        first = time.perf_counter() - started
+                    events += chunk
+            times.append(first)
+            sizes.append(len(body))
+            done = [json.loads(x[6:]) for x in events.decode().splitlines() if x.startswith("data: ")][-1]
+            history += done["response"]["output"]
+    return times[1:], sizes[1:]
+
+
+def bench_client_websocket(quick: bool) -> list[str]:
+    """The served WebSocket mode side by side with SSE through the same proxy over HTTP, interleaved round by
+    round: time to first event of a conversation's later turns, and the client's uplink bytes per turn."""
+    rounds, runs = (5, 3) if quick else (20, 5)
+    with Emulator() as emu:
+        emu.model.control({"slow_ms": 15, "websocket": "refuse"})
+        proxy = start_mitmdump(emu.url, "--set", "stateful_store=memory")
+        try:
+            served_socket_times(proxy.url, 1)  # the verdict learned, the loopback server started
+            got: dict[str, tuple[list, list]] = {"socket": ([], []), "http": ([], [])}
+            for _ in range(runs):
+                for name, fn in (("socket", served_socket_times), ("http", http_sse_turns)):
+                    times, sizes = fn(proxy.url, rounds)
+                    got[name][0].extend(times)
+                    got[name][1].extend(sizes)
+        finally:
+            proxy.stop()
+    first = {k: statistics.median(v[0]) * 1000 for k, v in got.items()}
+    p90 = {k: percentile(v[0], 90) * 1000 for k, v in got.items()}
+    sent = {k: statistics.mean(v[1]) for k, v in got.items()}
+    return ["| later turns of a conversation, `store: false`, 15 ms between events (median of "
+            f"{rounds * runs}) | SSE through the proxy over HTTP | the proxy's socket | socket − HTTP (target ≤ +2 ms) |",
+            "|---|---|---|---|",
+            f"| time to first event, median | {first['http']:.1f} ms | {first['socket']:.1f} ms | "
+            f"**{first['socket'] - first['http']:+.1f} ms** |",
+            f"| time to first event, p90 | {p90['http']:.1f} ms | {p90['socket']:.1f} ms | "
+            f"{p90['socket'] - p90['http']:+.1f} ms |",
+            f"| client uplink bytes per turn ({rounds}-turn conversations, mean) | {sent['http']:,.0f} B "
+            f"(its whole history) | {sent['socket']:,.0f} B (`previous_response_id` + the new message) | "
+            f"{sent['socket'] / sent['http']:.2f}× |",
+            "", "Both go upstream as the same HTTP request (the socket's turn is expanded from its memory and sent "
+            "through mitmproxy's pipeline as a client replay); the socket's extra hop is the loopback server."]
 
 
 def bench_storage(quick: bool) -> list[str]:
@@ -1668,6 +1753,7 @@ BENCHES = {"bytes": bench_bytes, "uplink": bench_uplink, "tax": bench_tax, "plan
            "memory": bench_memory, "stores": bench_stores, "agents": bench_agents, "record": bench_record,
            "seal": bench_seal, "conversation": bench_conversation, "websocket": bench_websocket,
            "storage": bench_storage, "metrics": bench_metrics,
+           "storage": bench_storage, "client_websocket": bench_client_websocket,
            **{part.__name__: part for part in (websocket_bytes, websocket_uplink, websocket_latency,
                                                websocket_first_event, websocket_deflate, websocket_memory)}}
 

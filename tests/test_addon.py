@@ -39,7 +39,7 @@ class Glue:
     def __init__(self, **options) -> None:
         self.addons = make_addons()
         (self.options, _, self.state, self.decoding, self.record, self.router, _, self.conversations,
-         self.emulation, self.compaction, self.bridge, self.forward, self.encoding, _, _, _, _,
+         self.emulation, self.compaction, self.bridge, self.forward, self.encoding, _, _, self.client_websocket, _, _,
          self.replays, _) = self.addons
         self.planner = self.forward.planner
         self._options = {"stateful_store": "memory", "stateful_upstream_websocket": "off", **options}

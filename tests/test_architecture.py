@@ -14,11 +14,14 @@ from harness import ROOT
 
 PACKAGE = ROOT / "addon" / "stateful_responses"
 CAPABILITIES = ("forward", "store_emulation", "record", "router", "state", "websocket", "request_encoding",
-                "compaction", "telemetry")
+                "compaction", "telemetry", "client_websocket")
 # The one continuation engine (planner and prefix store) and its transports: HTTP (forward mode) and the
 # upstream's WebSocket mode. A new transport is a capability beside them, with no planner of its own.
 ENGINE = "continuation"
 TRANSPORTS = ("forward", "websocket")
+# Transports that carry each turn through mitmproxy's pipeline as an HTTP request, where forward mode plans it
+# with the engine and the emulations expand it: the served WebSocket mode. They neither plan nor expand.
+PIPELINE_TRANSPORTS = ("client_websocket",)
 # Shared modules that are mitmproxy glue by nature; every other shared module is pure.
 SHARED_GLUE = {"flows", "replays", "proofs", "view", "options", "heap", "pipeline", "mitmproxy_script", "cli"}
 
@@ -97,6 +100,18 @@ def test_every_transport_plans_with_the_engine_and_keeps_no_planner_of_its_own()
         imported = set().union(*(imported_modules(path) for path in (PACKAGE / transport).rglob("*.py")))
         assert f"stateful_responses.{ENGINE}.planner" in imported, transport
         assert not [path for name in ("planner.py", "prefixes.py") for path in (PACKAGE / transport).rglob(name)]
+
+
+def test_a_pipeline_transport_leaves_planning_to_the_engine_and_expanding_to_the_emulations():
+    """No planner, no prefix store, no chain walk of its own: it imports neither the engine nor store emulation
+    (forward mode plans its HTTP requests, store emulation and conversations expand them)."""
+    for transport in PIPELINE_TRANSPORTS:
+        imported = set().union(*(imported_modules(path) for path in (PACKAGE / transport).rglob("*.py")))
+        assert imported, transport  # the rule is not vacuous
+        for foreign in (ENGINE, "store_emulation", "forward"):
+            assert not [m for m in imported if within(m, f"stateful_responses.{foreign}")], (transport, foreign)
+        assert not [path for name in ("planner.py", "prefixes.py", "walk.py", "history.py")
+                    for path in (PACKAGE / transport).rglob(name)]
 
 
 def test_no_shared_module_imports_a_capability_but_the_state_layers_pure_parts():

@@ -18,4 +18,6 @@ class Counters:
     ambiguous: int = 0
     websocket_turns: int = 0  # requests answered over an upstream WebSocket
     websocket_retries: int = 0  # of which retried invisibly after a socket failed or refused
+    client_websocket_sockets: int = 0  # client sockets the proxy served WebSocket mode on (an upstream lacking it)
+    client_websocket_turns: int = 0  # their response.create turns sent over HTTP
     errors: int = 0

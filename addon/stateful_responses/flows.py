@@ -33,6 +33,10 @@ ROUTED = "stateful_routed"  # {"upstream", "reason", "moved", …}: where the ro
 RETRY_OF = "stateful_retry_of"  # our own retry of the client's flow (its id)
 BRIDGED = "stateful_websocket"  # {"transport", "action", …}: an HTTP request served over an upstream WebSocket
 ANSWERED = "stateful_answered"  # the proxy answered this flow itself (compaction): it teaches nothing of the upstream
+# A client's upgrade the proxy serves WebSocket mode for itself (its upstream lacks it): {"socket": …}
+SERVED_SOCKET = "stateful_client_websocket"
+# One response.create of such a socket, sent through the pipeline as an HTTP request: {"socket", "turn", …}
+SOCKET_TURN = "stateful_client_websocket_turn"
 OVERFLOW = "stateful_websocket_overflow"  # every socket holds a live conversation: HTTP, as without the bridge
 # flow.metadata key: an answer held back whole, so that the response hook can
 # replace it before the client sees a byte; no addon streams it.

@@ -29,6 +29,7 @@ from .tenancy import Tenancy
 from .upstreams import Upstreams
 from .view import ContentView
 from .websocket.addon import WebSocketBridge
+from .client_websocket.addon import ClientWebSocket
 
 
 def make_addons() -> list:
@@ -74,6 +75,8 @@ def make_addons() -> list:
         decoding.encoded,  # after every change to a request: it goes upstream encoded as the client's
         router.answers,  # fails over after the ones above learned from the failed answer
         record.answers,  # records what the client got, after every change
+        # after every addon that taps or replaces an answer: a socket turn's client gets what HTTP's would
+        ClientWebSocket(config, counters, tenancy, upstreams, state),
         telemetry,  # counts what the flow's metadata says the others did, once all of them are done
         ContentView(),  # the Stateful Responses view of every capability's flows, in mitmweb
         replays,  # last: its collector wraps the others' taps

@@ -220,6 +220,12 @@ OPTIONS: dict[str, tuple[Any, Any, Any, str]] = {
         "otlp: one OpenTelemetry span per LLM API call, exported over OTLP as the OTEL_EXPORTER_OTLP_* variables "
         "say (needs the otel extra: pip install 'stateful-responses[otel]').",
     ),
+    "stateful_client_websocket": (
+        parse_websocket, str, "auto",
+        "Serve the Responses API's WebSocket mode to clients (openai SDK connect(), openai-agents, Codex) of an "
+        "upstream without it, each turn sent over HTTP: auto (where the upstream refuses the upgrade; learned per "
+        "upstream + credential) or off (upgrades pass through untouched).",
+    ),
     "stateful_debug": (parse_bool, bool, False, "Log one line per decision."),
 }
 PARSERS = {name: spec[0] for name, spec in OPTIONS.items()}
@@ -251,6 +257,7 @@ class Settings:
     compaction: str = "auto"
     metrics: str = "off"
     traces: str = "off"
+    client_websocket: str = "auto"
     debug: bool = False
 
     @classmethod

@@ -162,14 +162,17 @@ class Planner:
         return h.digest()
 
     def plan(self, request: Request, *, rewrite: bool = True, checkable: bool = True,
-             websocket_mode: bool = False, count: bool = True) -> Plan:
+             websocket_mode: bool = False, count: bool = True, keep_store_false: bool = False) -> Plan:
         """Decide what to send. With ``rewrite=False`` (our own retry of a
         client's original body) nothing is changed, only tracked. With
         ``checkable=False`` (an answer that must stream as it comes) a
         continuation that would have to be checked goes full instead.
         ``websocket_mode``: whether the WebSocket bridge runs for the request's
         proxy mode (the glue says; it does not in ``--mode upstream:``).
-        ``count=False``: another transport counts what it sends (the bridge)."""
+        ``count=False``: another transport counts what it sends (the bridge).
+        ``keep_store_false``: a client that said ``store: false`` on its own
+        WebSocket (served by the proxy) is never forced to store, as the mode
+        stores nothing."""
         reading = self.reader.read(request, count=rewrite and count)
         if isinstance(reading, Skip):
             return Plan("pass", reading.reason, reading.upstream, reading.model)
@@ -190,7 +193,7 @@ class Planner:
             return plan
         if not digests:
             return Plan("pass", "input has no items", upstream, model)
-        if client_store is False and not s.force_store:
+        if client_store is False and (not s.force_store or keep_store_false):
             return Plan("pass", "client sent store:false", upstream, model)
         now = self.config.clock()
         if self.upstreams.has("unsupported", scope):

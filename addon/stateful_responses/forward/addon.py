@@ -27,6 +27,7 @@ from ..flows import (
     EMULATION,
     HELD,
     RETRY_OF,
+    SOCKET_TURN,
     WITHHELD,
     PerFlow,
     bridge_runs_for,
@@ -235,7 +236,8 @@ class ForwardMode:
         client_body = original.raw_content or b""
         # A conversation the proxy keeps is named in each answer as it streams by: none can be held to be checked.
         plan = self.planner.plan(request_of(flow, original), rewrite=retry_of is None,
-                                 checkable=CONVERSATION not in flow.metadata, websocket_mode=bridge_runs_for(flow))
+                                 checkable=CONVERSATION not in flow.metadata, websocket_mode=bridge_runs_for(flow),
+                                 keep_store_false=SOCKET_TURN in flow.metadata)
         if plan.upstream == "":
             return None  # not a Responses API request: no trace at all
         flow.metadata[DECISION] = _metadata(plan)

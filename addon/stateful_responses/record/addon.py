@@ -38,6 +38,8 @@ from ..flows import (
     HELD,
     RETRY_OF,
     ROUTED,
+    SERVED_SOCKET,
+    SOCKET_TURN,
     PerFlow,
     internal_error,
     request_of,
@@ -258,8 +260,8 @@ class ContinuationRecord:
         """Each ``response.create`` a client sends on its own socket is a turn
         with a record of its own; the events that come back are its answer."""
         if not self.config.settings.enabled or flow.websocket is None or flow.request.method != "GET" \
-                or upstream_of(flow.request.url) is None:
-            return
+                or upstream_of(flow.request.url) is None or SERVED_SOCKET in flow.metadata:
+            return  # a socket the proxy serves itself: each turn is recorded as the HTTP request it became
         message = flow.websocket.messages[-1]
         try:
             if message.from_client:
@@ -456,11 +458,16 @@ class ContinuationRecord:
         if comment.startswith("chain:"):  # the tag the request got: the chain may have changed since
             comment = comment.partition(" ")[2]
         flow.comment = f"{chain_tag(turn.chain_id)} {comment}".strip()
-        self.file.append({"flow": flow.id, "time": time.time(), "protocol": turn.protocol,
-                          "model": turn.request.model, "transport": {"client": "http", "upstream": upstream_transport},
-                          "continuation": record, "audit": audit})
-        self._tell(flow, turn, answer, flow.response.status_code if flow.response is not None else None, "http",
-                   upstream_transport, flow.request.timestamp_start)
+        line = {"flow": flow.id, "time": time.time(), "protocol": turn.protocol, "model": turn.request.model,
+                "transport": {"client": "http", "upstream": upstream_transport}, "continuation": record, "audit": audit}
+        client_transport = "http"
+        if (socket_turn := flow.metadata.get(SOCKET_TURN)) is not None:  # a turn of a socket the proxy serves
+            client_transport = "websocket"
+            line.update(flow=socket_turn["socket"], turn=socket_turn["turn"],
+                        transport={"client": client_transport, "upstream": upstream_transport})
+        self.file.append(line)
+        self._tell(flow, turn, answer, flow.response.status_code if flow.response is not None else None,
+                   client_transport, upstream_transport, flow.request.timestamp_start)
 
 
 class RecordAnswers:

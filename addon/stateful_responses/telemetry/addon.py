@@ -12,6 +12,7 @@ event loop; serving ``/metrics`` and exporting spans run on threads of their own
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -30,6 +31,7 @@ from ..flows import (
     OVERFLOW,
     RETRY_OF,
     ROUTED,
+    SOCKET_TURN,
     WITHHELD,
     Call,
     PerFlow,
@@ -204,9 +206,12 @@ class Telemetry:
 
     def _counted(self, flow: http.HTTPFlow, seen: _Seen | None) -> Counted:
         md = flow.metadata
-        return classify(md.get(DECISION) or {}, md.get(BRIDGED) or {}, md.get(EMULATION) or {},
-                        md.get(CONVERSATION) or {}, md.get(ROUTED) or {}, OVERFLOW in md,
-                        seen is not None and seen.answered)
+        counted = classify(md.get(DECISION) or {}, md.get(BRIDGED) or {}, md.get(EMULATION) or {},
+                           md.get(CONVERSATION) or {}, md.get(ROUTED) or {}, OVERFLOW in md,
+                           seen is not None and seen.answered)
+        if SOCKET_TURN in md:  # a response.create on a socket the proxy serves: the client's transport
+            counted = dataclasses.replace(counted, transport="websocket")
+        return counted
 
     # -- traces --------------------------------------------------------------------
 
