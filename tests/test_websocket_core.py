@@ -104,7 +104,38 @@ def test_each_event_is_framed_as_the_apis_sse_and_reads_back_as_it_came():
 ])
 def test_an_error_event_becomes_the_http_status_and_body_of_the_api(event, status, body):
     answered = error_answer(read_event(event))
-    assert answered[0] == status and json.loads(answered[1]) == body
+    assert answered[0] == status and json.loads(answered[2]) == body
+
+
+@pytest.mark.parametrize("event,status", [
+    ({"status_code": 429, "error": {"code": "x"}}, 429),  # the spelling codex-rs also reads
+    ({"status_code": 400, "error": {"code": "x"}}, 400),
+    ({"error": {"code": "rate_limit_exceeded"}}, 429),  # no status: its code or type tells
+    ({"error": {"type": "invalid_request_error", "code": "previous_response_not_found"}}, 400),
+    ({"error": {"type": "invalid_request_error", "code": "odd"}}, 400),
+    ({"error": {"type": "server_error"}}, 500),
+    ({"error": {"code": "server_is_overloaded"}}, 503),
+    ({"error": {"code": "who_knows"}}, 500),
+    ({"code": "rate_limit_exceeded"}, 429),  # the flat form
+    ({"status": True, "error": {"code": "x"}}, 500),
+])
+def test_an_error_events_status_is_its_own_or_the_one_its_code_names(event, status):
+    assert read_event(json.dumps({"type": "error", **event})).http_status == status
+
+
+def test_an_error_events_retry_after_reaches_the_client_from_either_place():
+    top = read_event(json.dumps({"type": "error", "status": 429, "error": {"code": "x"},
+                                 "headers": {"Retry-After": 7, "x-request-id": "req_1", "x-ratelimit-reset": "1s"}}))
+    nested = read_event(json.dumps({"type": "error", "status": 429,
+                                    "error": {"code": "x", "headers": {"retry-after-ms": "900", "bad": "\r\nx"}}}))
+    assert error_answer(top)[1] == [(b"content-type", b"application/json"), (b"retry-after", b"7"),
+                                    (b"x-ratelimit-reset", b"1s")]
+    assert error_answer(nested)[1][1:] == [(b"retry-after-ms", b"900")]
+
+
+def test_a_socket_limit_named_by_the_errors_type_is_a_state_error():
+    event = read_event(json.dumps({"type": "error", "error": {"type": "websocket_connection_limit_reached"}}))
+    assert event.error_code == "websocket_connection_limit_reached" and retried_on_a_socket(event, False)
 
 
 @pytest.mark.parametrize("event,continued,on_a_socket,over_http", [
@@ -115,6 +146,10 @@ def test_an_error_event_becomes_the_http_status_and_body_of_the_api(event, statu
     ({"status": 429, "error": {"code": "rate_limit_exceeded"}}, True, False, False),
     ({"status": 500, "error": {"code": "server_error"}}, True, False, False),
     ({"error": {"code": "server_error"}}, False, False, False),
+    ({"status_code": 400, "error": {"code": "invalid_value"}}, True, True, True),
+    ({"status_code": 429, "error": {"code": "x"}}, True, False, False),
+    ({"error": {"type": "invalid_request_error", "code": "invalid_value"}}, True, True, True),
+    ({"error": {"code": "rate_limit_exceeded"}}, True, False, False),
 ])
 def test_which_refusals_are_retried_and_how(event, continued, on_a_socket, over_http):
     parsed = read_event(json.dumps({"type": "error", **event}))
@@ -554,7 +589,7 @@ async def test_a_state_error_sends_the_turn_whole_and_the_client_never_hears_of_
 
 async def test_a_refusal_of_the_clients_own_request_goes_over_http_whose_answer_is_the_clients():
     outcome, data, held, http = await run(Scripted(refusal(400, "unsupported_parameter")), continued=False,
-                                          http=(400, [("content-type", "application/json")], b'{"error": 1}'))
+                                          http=(400, [(b"content-type", b"application/json")], b'{"error": 1}'))
     assert http and outcome.transport == "http" and data.startswith(b"HTTP/1.1 400") and data.endswith(b'{"error": 1}')
     assert held.tip is None and held.open  # the socket is fine: back in the pool, remembering nothing
 

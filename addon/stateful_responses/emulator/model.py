@@ -95,6 +95,9 @@ class Faults:
     ws_lifetime_s: float = 3600  # a socket's lifetime, after which response.create is refused
     # the code of a response.create refused while its lane runs a response ("response_already_in_flight": a gateway's)
     ws_busy_code: str = "conversation_already_has_active_response"
+    # how a socket's error event names its HTTP status: "status" (OpenAI's), "status_code" (Floway's; codex-rs
+    # reads either), "none" (left out, as inside a stream)
+    ws_error_status: str = "status"
     next: list[dict] = field(default_factory=list)  # one-shot faults, FIFO
 
     def take(self, continued: bool, protocol: str = RESPONSES, kinds: frozenset[str] | None = None,
@@ -116,7 +119,8 @@ class Faults:
 
 SETTABLE = ("stateless", "ignore_previous", "conversations", "echo_store", "echo_previous", "input_items",
             "refuse_store", "forget_probability", "slow_ms", "think_ms", "gzip", "background_delay_ms",
-            "read_rate_bytes_per_s", "websocket", "ws_lifetime_s", "numbered_ids", "ws_busy_code")
+            "read_rate_bytes_per_s", "websocket", "ws_lifetime_s", "numbered_ids", "ws_busy_code",
+            "ws_error_status")
 
 
 _SOCKET_NUMBERS = itertools.count(1)

@@ -46,7 +46,7 @@ from .messages import (
 )
 from .pool import Held, Pool
 
-HttpAnswer = tuple[int, Sequence[tuple[str, str]], bytes]
+HttpAnswer = tuple[int, Sequence[tuple[bytes, bytes]], bytes]
 
 
 @dataclass
@@ -171,10 +171,10 @@ async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
             continue
         event = exchange.event
         assert event is not None
-        reason = f"the socket refused it ({event.error_code or event.status})"
+        reason = f"the socket refused it ({event.error_code or event.http_status})"
         if continued is not None and retried_on_a_socket(event, True) \
                 and event.error_code not in UNUSABLE_SOCKET_ERRORS:  # not the socket's age or its running turn
-            outcome.refused_continuation = event.error_code or event.status
+            outcome.refused_continuation = event.error_code or event.http_status
             outcome.refused_the_field = event.error_code not in STATE_ERRORS and event.error is not None \
                 and b"previous_response_id" in bytes(event.error)
         if attempt == 1 and retried_on_a_socket(event, continued is not None):
@@ -187,10 +187,10 @@ async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
                 continued = None
             continue
         if not retried_over_http(event):
-            outcome.status, body = error_answer(event)
+            outcome.status, headers, body = error_answer(event)
             _release(pool, held, None)
             await _settle(turn, outcome)
-            await answer.json(outcome.status, body)
+            await answer.whole(outcome.status, headers, body)
             return outcome
         outcome.retries.append(reason)
         break
