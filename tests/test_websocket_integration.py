@@ -383,6 +383,44 @@ def test_an_error_event_with_a_status_reaches_the_client_as_that_status_and_the_
     assert_context_preserved(retried, reached_the_client(emulator))
 
 
+@pytest.mark.parametrize("spelling", ["status_code", "none"])
+def test_an_error_events_status_is_read_in_either_spelling_or_from_its_code_or_type(emulator, bridge, spelling):
+    """Servers name an error event's status ``status_code`` (codex-rs reads either), or leave it out: a
+    refused continuation stays an invisible full retry, a 429 a 429 with its Retry-After, a refusal of the
+    client's own request goes once over HTTP, and the socket's limit named by the error's type takes a fresh
+    socket. None of them is a 500 of the proxy's making."""
+    emulator.model.control({"ws_error_status": spelling})
+    proxy = bridge()
+    conv = Conversation(proxy.url, options={"store": False})
+    converse(conv, 2)
+    emulator.model.control({"fail_next": [{"kind": "reject", "when": "continued", "status": 400,
+                                           "code": "invalid_value", "message": "Invalid value."}]})
+    conv = Conversation(proxy.url, options={"store": False}, history=conv.history, sent=conv.sent)
+    conv.turn("a refused continuation")
+    emulator.model.control({"fail_next": [{"kind": "ws_error", "status": 429, "code": "rate_limit_exceeded",
+                                           "type": "requests", "headers": {"retry-after": "7"}}]})
+    with pytest.raises(openai.RateLimitError) as raised:
+        conv.turn("this one is rate limited")
+    assert raised.value.response.headers["retry-after"] == "7" and raised.value.body["code"] == "rate_limit_exceeded"
+    conv.history.pop()
+    conv.sent.pop()
+    emulator.model.control({"fail_next": [{"kind": "ws_error", "status": 400, "code": None,
+                                           "type": "websocket_connection_limit_reached", "when": "continued"}]})
+    conv.turn("the socket is worn out")
+    converse(conv, 1, "then ")
+    log = records(emulator)
+    worn = next(n for n, r in enumerate(log) if r["fault"] == "ws_error" and r["status_code"] == 400)
+    assert log[worn + 1]["socket"] != log[worn]["socket"] and log[worn + 1]["transport"] == "websocket"
+    assert_context_preserved(conv.sent, reached_the_client(emulator))
+    emulator.model.control({"fail_next": [{"kind": "ws_error", "status": 400, "code": "unsupported_parameter"}]})
+    other = Conversation(proxy.url, options={"store": False})
+    converse(other, 1, "another conversation ")
+    assert records(emulator)[-1]["transport"] == "http"  # refused on the socket, answered over HTTP
+    assert_context_preserved(other.sent, [r for r in reached_the_client(emulator) if r["context"][0]
+                                          == other.sent[0].body["input"][0]])
+    assert "internal error" not in proxy.output()
+
+
 def test_a_refusal_of_the_clients_own_request_on_the_socket_goes_over_http(emulator, bridge):
     emulator.model.control({"fail_next": [{"kind": "ws_error", "status": 400, "code": "unsupported_parameter"}]})
     proxy = bridge()
@@ -392,6 +430,34 @@ def test_a_refusal_of_the_clients_own_request_on_the_socket_goes_over_http(emula
     assert [r["transport"] for r in log[:2]] == ["websocket", "http"]  # refused on the socket, answered over HTTP
     assert_context_preserved(conv.sent, reached_the_client(emulator))
     assert "ws: sent over HTTP" in proxy.output()
+
+
+NOTE_HEADER = """
+class NoteHeader:
+    \"\"\"A gateway that adds a header outside latin-1 (UTF-8 bytes, as some servers send) to its HTTP answers.\"\"\"
+
+    def response(self, flow):
+        if flow.request.method == "POST" and flow.response is not None:
+            flow.response.headers["x-note"] = "Wetter \u2192 sonnig \u2600"
+
+addons = [NoteHeader()]
+"""
+
+
+def test_an_http_fallback_answer_with_a_header_outside_latin_1_reaches_the_client_as_it_came(
+        emulator, bridge, start_proxy, tmp_path):
+    script = tmp_path / "note.py"
+    script.write_text(NOTE_HEADER)
+    gateway = start_proxy(emulator.url, "-s", str(script), script=False)
+    proxy = bridge(upstream=gateway.url)
+    emulator.model.control({"fail_next": [{"kind": "ws_error", "status": 400, "code": "unsupported_parameter"}]})
+    with httpx.Client(trust_env=False, timeout=30) as client:
+        answer = client.post(f"{proxy.url}/v1/responses", headers=AUTH,
+                             json={"model": "gpt-test", "input": "hello", "store": False})
+    assert answer.status_code == 200 and answer.json()["status"] == "completed"
+    assert dict(answer.headers.raw)[b"x-note"] == "Wetter \u2192 sonnig \u2600".encode()
+    assert [r["transport"] for r in records(emulator)] == ["websocket", "http"]
+    assert "internal error" not in proxy.output()
 
 
 def test_a_continuation_the_upstream_does_not_echo_turns_the_bridge_off_there(emulator, bridge):

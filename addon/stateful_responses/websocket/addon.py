@@ -72,7 +72,7 @@ REST_S = 60.0  # an upstream + credential whose socket could not be opened goes 
 # A socket verdict drawn from faults (an upgrade never answered, sockets closed before their first event, a
 # continuation refused) holds this long, on every replica: then one turn tries a socket again.
 REPROBE_S = 3600.0
-_HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "upgrade"})
+_HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"upgrade"})
 MARKS = {"continue": ":recycle:", "full": ":arrow_right:", "http": ":warning:"}
 
 
@@ -382,7 +382,7 @@ class WebSocketBridge:
                 answer.drop()
             else:
                 failed = bad_gateway("internal error")
-                await answer.whole(502, list(failed.headers.items()), failed.raw_content or b"")
+                await answer.whole(502, list(failed.headers.fields), failed.raw_content or b"")
 
     async def _late(self, job: _Job, answer: Answer) -> None:
         """A flow that came after its socket was given back (and may be in
@@ -395,7 +395,7 @@ class WebSocketBridge:
         except Exception:
             internal_error(self.counters, "answering a late flow over HTTP")
             failed = bad_gateway("internal error")
-            outcome.status, headers, body = 502, list(failed.headers.items()), failed.raw_content or b""
+            outcome.status, headers, body = 502, list(failed.headers.fields), failed.raw_content or b""
         await answer.whole(outcome.status, headers, body)
 
     async def _over_http(self, flow: http.HTTPFlow, client: http.Request, job: _Job, outcome: Outcome) -> HttpAnswer:
@@ -415,7 +415,7 @@ class WebSocketBridge:
             answer, _ = await self.replays.send(flow, client.copy(), "the upstream refused a forced store")
             self.planner.retried(forced, answer.status_code)
             self.state.flush()
-        headers = [(k, v) for k, v in answer.headers.items(multi=True) if k.lower() not in _HOP_BY_HOP]
+        headers = [(k, v) for k, v in answer.headers.fields if k.lower() not in _HOP_BY_HOP]  # bytes, as they came
         return answer.status_code, headers, answer.raw_content or b""
 
     async def _settle(self, job: _Job, outcome: Outcome) -> None:
