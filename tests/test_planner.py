@@ -359,7 +359,9 @@ def test_no_store_is_forced_where_the_upstreams_websocket_mode_may_serve_the_del
     planner.config.update(Settings(upstream_websocket="off"))  # no bridge: forward mode forces as before
     assert planner.plan(request(conv, store=False), websocket_mode=True).forced_store
     planner.config.update(Settings())
-    planner.upstreams.mark("refuses_websocket", plan.scope)  # no WebSocket mode there
+    planner.upstreams.mark("refuses_websocket", plan.scope, 3600.0)  # sockets found no use for an hour: a fault
+    assert not planner.plan(request(conv, store=False), websocket_mode=True).forced_store  # is no licence to store
+    planner.upstreams.mark("lacks_websocket", plan.scope)  # the upgrade refused: no WebSocket mode there
     assert planner.plan(request(conv, store=False), websocket_mode=True).forced_store
     assert not planner.plan(request(conv, "other-tenant", store=False), websocket_mode=True).forced_store
 

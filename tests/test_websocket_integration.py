@@ -345,6 +345,26 @@ def test_a_socket_that_breaks_mid_answer_of_a_json_client_is_invisible(emulator,
     assert_context_preserved(conv.sent, reached_the_client(emulator))
 
 
+def test_cache_misses_on_sockets_are_no_verdict_and_never_force_store(emulator, bridge):
+    """previous_response_not_found to a continuation of the socket's own latest response is the socket's state
+    (an eviction upstream), not a refusal: the turn goes whole on the socket, the next ones are continued
+    there again, and no turn of a store: false conversation is ever sent with store forced."""
+    proxy = bridge()
+    conv = Conversation(proxy.url, options={"store": False})
+    converse(conv, 2)
+    miss = {"kind": "reject", "when": "continued", "status": 400, "code": "previous_response_not_found",
+            "message": "Previous response with id 'resp_x' not found."}
+    emulator.model.control({"fail_next": [miss] * 3})  # three continuations in a row miss
+    conv = Conversation(proxy.url, options={"store": False}, history=conv.history, sent=conv.sent)
+    converse(conv, 5, "after cache misses ")
+    log = records(emulator)
+    assert sum(r["fault"] == "reject" for r in log) == 3
+    assert all(r["transport"] == "websocket" for r in log)
+    assert all(r["store"] is False and r.get("stored") is not True for r in log)  # never forced, nothing kept
+    assert_context_preserved(conv.sent, reached_the_client(emulator))
+    assert log[-1]["continued"] and "HTTP from now on" not in proxy.output()
+
+
 def test_a_failed_turn_evicts_the_sockets_memory_and_the_next_turn_goes_whole(emulator, bridge):
     proxy = bridge()
     conv = Conversation(proxy.url, options={"store": False})

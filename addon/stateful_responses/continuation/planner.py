@@ -203,9 +203,11 @@ class Planner:
             and client_store is not True
             and not self.upstreams.has("no_forced_store", scope)
             # the upstream's WebSocket mode may serve the deltas without storage: never force it to store
-            # unless it showed it has no WebSocket mode (while an upgrade is pending or resting, too)
+            # unless it refused the upgrade (it has no WebSocket mode); a verdict drawn from faults (sockets
+            # closed, a refused or unechoed continuation, an upgrade never answered) is no licence to store
+            # what the client asked not to: it lasts an hour, and may be a fault of that hour
             and not (s.upstream_websocket == "auto" and websocket_mode
-                     and not self.upstreams.has("refuses_websocket", scope))
+                     and not self.upstreams.has("lacks_websocket", scope))
         )
         asked_store = client_store is True or force
         plan = Plan(

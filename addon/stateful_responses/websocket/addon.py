@@ -72,6 +72,7 @@ REST_S = 60.0  # an upstream + credential whose socket could not be opened goes 
 # A socket verdict drawn from faults (an upgrade never answered, sockets closed before their first event, a
 # continuation refused) holds this long, on every replica: then one turn tries a socket again.
 REPROBE_S = 3600.0
+MISSES_FOR_VERDICT = 8  # cache misses in a row (previous_response_not_found) before sockets are found no use
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"upgrade"})
 MARKS = {"continue": ":recycle:", "full": ":arrow_right:", "http": ":warning:"}
 
@@ -150,6 +151,7 @@ class WebSocketBridge:
         self._flows: PerFlow[_Job] = PerFlow()
         self._resting = Bounded(4096)  # scope -> until when its sockets are not tried
         self._refusals = Bounded(4096)  # scope -> continuations its sockets refused in a row
+        self._misses = Bounded(4096)  # scope -> continuations its sockets no longer remembered, in a row
         self._sweeper: asyncio.Task | None = None
         config.on_change(self._reconfigure)
         tenancy.on_new_secret(self._close_all)  # scopes and namespaces are named anew
@@ -475,8 +477,9 @@ class WebSocketBridge:
         turn, continued = job.turn, outcome.previous_response_id is not None
         if outcome.refused_upgrade is not None:
             self._refused(job.scope, job.label, outcome.refused_upgrade)
-        if outcome.unverified:
-            self._refuses(job.scope, job.label, "answered a continuation without echoing its previous_response_id")
+        if outcome.unverified:  # one answer: an hour, as every verdict drawn from a turn
+            self._refuses(job.scope, job.label, "answered a continuation without echoing its previous_response_id",
+                          REPROBE_S)
         if outcome.refused_continuation is not None and not turn.stored:
             # A refusal that names the field is a verdict at once; any other, the second in a row.
             again = self._refusals.get(job.scope, 0) + 1
@@ -486,6 +489,15 @@ class WebSocketBridge:
                               f"({outcome.refused_continuation})", REPROBE_S)
         elif continued and outcome.transport == "websocket":
             self._refusals.pop(job.scope, None)
+            self._misses.pop(job.scope, None)
+        if outcome.missed_memory and not turn.stored:
+            # A cache miss is the socket's state, not a refusal (an eviction, a restart upstream): only sockets
+            # that keep no memory at all, turn after turn, are no use (each turn would cost a call for nothing).
+            misses = self._misses.get(job.scope, 0) + outcome.missed_memory
+            self._misses.put(job.scope, misses)
+            if misses >= MISSES_FOR_VERDICT:
+                self._refuses(job.scope, job.label, f"kept no socket's memory for {misses} continuations in a row",
+                              REPROBE_S)
         if outcome.closes_unused:
             self._refuses(job.scope, job.label, "closed sockets opened for a turn before their first event", REPROBE_S)
 
@@ -531,6 +543,7 @@ class WebSocketBridge:
 
     def _refused(self, scope: str, label: str, status: int) -> None:
         if 400 <= status < 500 and status not in (408, 429):
+            self.upstreams.mark("lacks_websocket", scope)  # no WebSocket mode: forward mode's policy, as without us
             self._refuses(scope, label, f"refused the WebSocket upgrade ({status})")
         else:
             self._resting.put(scope, time.monotonic() + REST_S)

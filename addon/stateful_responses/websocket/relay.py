@@ -66,6 +66,7 @@ class Outcome:
     refused_continuation: Any = None  # the error code (or status) a continuation was refused with
     refused_the_field: bool = False  # ... by an error that names previous_response_id (not the socket's state)
     closes_unused: bool = False  # sockets opened for this turn, two in a row, closed before their first event
+    missed_memory: int = 0  # continuations the socket answered previous_response_not_found (a cache miss: no refusal)
 
 
 @dataclass
@@ -172,11 +173,11 @@ async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
         event = exchange.event
         assert event is not None
         reason = f"the socket refused it ({event.error_code or event.http_status})"
-        if continued is not None and retried_on_a_socket(event, True) \
-                and event.error_code not in UNUSABLE_SOCKET_ERRORS:  # not the socket's age or its running turn
+        if continued is not None and retried_on_a_socket(event, True) and event.error_code in STATE_ERRORS:
+            outcome.missed_memory += event.error_code == "previous_response_not_found"
+        elif continued is not None and retried_on_a_socket(event, True):  # not a state error: a refusal
             outcome.refused_continuation = event.error_code or event.http_status
-            outcome.refused_the_field = event.error_code not in STATE_ERRORS and event.error is not None \
-                and b"previous_response_id" in bytes(event.error)
+            outcome.refused_the_field = event.error is not None and b"previous_response_id" in bytes(event.error)
         if attempt == 1 and retried_on_a_socket(event, continued is not None):
             outcome.retries.append(reason)
             if event.error_code in UNUSABLE_SOCKET_ERRORS:
