@@ -290,6 +290,21 @@ def conversation(n: int, turns: int) -> tuple[list, Tip]:
     return history, tip
 
 
+def test_a_socket_given_back_unused_keeps_its_memory_as_stale_as_it_was():
+    """A turn that took a stale memory's socket and then went elsewhere gives it back as it was: the
+    conversation that ended does not look live again (a release would stamp it as just used)."""
+    p, clock = pool(max_per_scope=1)
+    held = opened(p, tip=tip_of())
+    clock.now += LIVE_S + 1  # the conversation it remembers ended
+    newcomer = digests([{"role": "user", "content": "another conversation"}])
+    choice = p.choose("s", ROOT, newcomer, {})
+    assert choice.held is held and choice.continued is None
+    p.give_back(choice.held)
+    assert held.tip == tip_of() and not held.busy  # its memory kept
+    clock.now += 1
+    assert p.choose("s", ROOT, newcomer, {}).held is held  # still stale: the newcomer gets it at once
+
+
 def test_more_conversations_than_sockets_never_take_a_live_conversations_memory():
     """Six conversations in turn over four sockets: replacing the least recently used memory would make
     every turn whole (each evicts what the next one needs); the four that hold sockets keep them and

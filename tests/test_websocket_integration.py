@@ -615,6 +615,31 @@ def test_turns_beyond_the_socket_cap_go_over_http_with_the_clients_store(emulato
     assert "every socket of" in proxy.output()
 
 
+def test_a_store_false_conversation_that_overflowed_gets_the_freed_socket_back(emulator, bridge):
+    """One socket, two store: false conversations: the second overflows to HTTP while the first is live
+    (store forced there, as without the bridge). Once the first ended and its memory went stale, the
+    second's later turns take the idle socket (its first one there whole, the rest continued from the
+    socket's memory, nothing stored), not HTTP with store forced."""
+    proxy = bridge("--set", "stateful_upstream_websocket_max_sockets=1")
+    first = Conversation(proxy.url, options={"store": False})
+    for text in user_turns(3, "first "):
+        first.turn(text)
+        time.sleep(1)  # its pace: a second between turns, so it stays live three seconds after each
+    first.close()
+    second = Conversation(proxy.url, options={"store": False})
+    second.turn("second turn 0: overflow")
+    overflowed = len(records(emulator))
+    assert records(emulator)[-1]["transport"] == "http"  # the first conversation's memory was live
+    time.sleep(4)  # the first conversation ended: its memory goes stale
+    converse(second, 5, "second, later ")
+    later = records(emulator)[overflowed:]
+    assert [r["transport"] for r in later] == ["websocket"] * len(later)
+    assert [r["continued"] for r in later] == [False] + [True] * (len(later) - 1)
+    assert all(r["store"] is False and r["stored"] is False for r in later)  # never forced again
+    mine = [r for r in records(emulator) if r["context"][0] == second.sent[0].body["input"][0]]
+    assert_context_preserved(second.sent, mine)
+
+
 class CountingRelay:
     """A TCP relay on loopback in front of ``upstream`` that counts the bytes sent to it: what crosses the
     uplink, request lines, headers, handshakes and frames included."""

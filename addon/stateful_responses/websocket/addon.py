@@ -245,9 +245,9 @@ class WebSocketBridge:
                     and (depth := plan.items_total - plan.items_sent) > (tip.length if tip is not None else 0):
                 if reading.client_store is not False:  # a stored response, hydrated on this socket
                     tip, stored = Tip(root, b"", depth, plan.previous_response_id), True
-                elif tip is None:  # a socket reads no stored response for a store:false turn: HTTP continues it
-                    self._give_back_choice(choice.held)
-                    return
+                # else a socket reads no stored response for a store:false turn (one the pool once sent over
+                # HTTP, store forced): it goes whole on this socket, whose memory then serves its next turns
+                # with nothing stored, rather than back to HTTP for good
             await self._take(flow, reading, target, root, references, choice.held, tip, choice.fresh, plan, stored)
         except BaseException:  # a socket the flow does not go to goes back, whatever happened
             if choice.held.busy and self._flows.get(flow) is None:
@@ -276,7 +276,7 @@ class WebSocketBridge:
         return plan
 
     def _give_back_choice(self, held: Held) -> None:
-        self._close([c for c in [self.pool.release(held, held.tip)] if c is not None])
+        self._close([c for c in [self.pool.give_back(held)] if c is not None])
 
     async def _take(self, flow: http.HTTPFlow, reading: Reading, target: Target, root: bytes,
                     references: dict[bytes, str], held: Held, tip: Tip | None, fresh: bool, plan: Plan | None,
@@ -360,7 +360,7 @@ class WebSocketBridge:
             self._give_back(job)
 
     def _give_back(self, job: _Job) -> None:
-        self._close([c for c in [self.pool.release(job.held, job.held.tip)] if c is not None])
+        self._close([c for c in [self.pool.give_back(job.held)] if c is not None])
 
     # -- answering it ------------------------------------------------------------
 
