@@ -741,6 +741,19 @@ def test_tenants_and_models_never_share_a_socket_or_its_memory(emulator, bridge)
     assert by_tenant[0][0]["credential"] == by_tenant[2][0]["credential"] != by_tenant[1][0]["credential"]
 
 
+def test_a_shutdown_after_bridged_traffic_is_quiet(emulator, bridge):
+    """mitmdump stops while the client still holds its connection (and mitmproxy its own to the loopback
+    server): the bridge's connections end without a traceback. (mitmproxy logs its own cancelled client
+    connection on Python 3.11 with or without the addon.)"""
+    proxy = bridge()
+    conv = Conversation(proxy.url, options={"store": False})
+    for text in user_turns(3):
+        conv.turn(text)
+    output = proxy.stop()
+    conv.close()
+    assert "loopback.py" not in output and "stateful_responses" not in output.partition("Traceback")[2]
+
+
 def test_idle_sockets_are_closed(emulator, bridge):
     proxy = bridge("--set", "stateful_upstream_websocket_idle_s=1")
     converse(Conversation(proxy.url, options={"store": False}), 1)

@@ -100,6 +100,7 @@ class Loopback:
         self._serve = serve
         self._server: asyncio.Server | None = None
         self._starting = asyncio.Lock()  # the first requests arrive together: one server
+        self._writers: set[asyncio.StreamWriter] = set()  # its open connections
         self.port = 0
 
     async def start(self) -> None:
@@ -109,20 +110,29 @@ class Loopback:
                 self.port = self._server.sockets[0].getsockname()[1]
 
     def close(self) -> None:
+        """Stop serving, and end the connections mitmproxy keeps open to it (idle keep-alives)."""
         if self._server is not None:
             self._server.close()
             self._server = None
+        for writer in list(self._writers):
+            writer.transport.abort()
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
         try:
             while (token := await _read_request(reader)) is not None:
                 answer = Answer(writer, reader)
                 await self._serve(token, answer)
                 if not answer.complete or answer.gone:
                     break
+        except asyncio.CancelledError:
+            # mitmproxy is stopping (its loop cancels what still runs): the connection ends with it, quietly.
+            # Re-raised, Python 3.11's stream callback would log the cancellation as a traceback.
+            pass
         except Exception:  # noqa: BLE001 - one broken connection must not end the server
             logger.warning("stateful-responses: the WebSocket bridge's loopback connection broke", exc_info=False)
         finally:
+            self._writers.discard(writer)
             if not writer.is_closing():
                 writer.close()
 
