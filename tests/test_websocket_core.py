@@ -28,6 +28,9 @@ from stateful_responses.websocket.loopback import Answer
 from stateful_responses.websocket.messages import (
     Tip,
     error_answer,
+    MAX_REMEMBERED_OUTPUTS,
+    OUTPUT_ENTRY,
+    output_key,
     read_event,
     retried_on_a_socket,
     retried_over_http,
@@ -157,6 +160,21 @@ def test_which_refusals_are_retried_and_how(event, continued, on_a_socket, over_
     assert retried_over_http(parsed) is over_http
 
 
+def test_a_sockets_memory_of_output_ids_is_bounded_and_packed():
+    """A long conversation's socket keeps the latest MAX_REMEMBERED_OUTPUTS output item ids for item
+    references, packed: 24 bytes each, not a pair of Python objects (about 200 bytes)."""
+    tip = None
+    for n in range(MAX_REMEMBERED_OUTPUTS + 100):
+        output = [{"type": "message", "id": f"msg_{n}", "role": "assistant", "status": "completed",
+                   "content": [{"type": "output_text", "text": f"x{n}", "annotations": []}]}]
+        tip = tip_after(ROOT, [], msgspec.Raw(json.dumps({"id": f"resp_{n}", "status": "completed",
+                                                          "output": output}).encode()), {}, tip)
+    assert len(tip.outputs) == MAX_REMEMBERED_OUTPUTS * OUTPUT_ENTRY == 24 * 1024
+    named = tip.named()
+    assert output_key(f"msg_{MAX_REMEMBERED_OUTPUTS + 99}") in named and output_key("msg_99") not in named
+    assert output_key("msg_100") in named  # the oldest kept
+
+
 # -- the socket's memory ----------------------------------------------------------------------------
 
 OUTPUT = [{"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
@@ -178,7 +196,7 @@ def tip_of(response=RESPONSE, history=HISTORY, done=None) -> Tip | None:
 
 def test_a_completed_response_is_remembered_as_its_input_then_its_output():
     tip = tip_of()
-    assert (tip.length, tip.response_id, dict(tip.outputs).keys()) == (3, "resp_1", {"msg_1", "fc_1"})
+    assert (tip.length, tip.response_id, tip.named().keys()) == (3, "resp_1", {output_key("msg_1"), output_key("fc_1")})
     echo = HISTORY + [{"role": "assistant", "content": "hello"},  # an easy message echoes the typed one
                       {**OUTPUT[1], "arguments": '{"a":1}', "status": None}]  # re-serialized, a null added
     assert tip.extended_by(ROOT, digests(echo + [{"type": "function_call_output", "call_id": "call_1",

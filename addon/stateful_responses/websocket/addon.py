@@ -301,8 +301,7 @@ class WebSocketBridge:
                 return
         digests = reading.digests
         if tip is not None and references and not stored:
-            outputs = dict(tip.outputs)
-            digests = [outputs.get(references.get(d, ""), d) for d in digests]
+            digests = tip.resolved(digests, references)
         client = flow.request.copy()
         body, fields = client.raw_content or b"", reading.fields
         turn = Turn(streamed=bytes(fields.get("stream", b"")) == b"true", root=root, digests=digests,

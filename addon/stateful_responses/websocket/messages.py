@@ -19,7 +19,9 @@ from typing import Any
 
 import msgspec
 
-from ..items import ItemSequence, item_digest, strict_loads
+from blake3 import blake3
+
+from ..items import ITEM_DIGEST_SIZE, ItemSequence, item_digest, strict_loads
 from ..request_reader import splice
 from ..answer_reader import TERMINAL_EVENTS
 from ..upstreams import TRANSIENT_STATUSES
@@ -222,16 +224,27 @@ class Tip:
     digest: bytes
     length: int
     response_id: str
-    outputs: tuple[tuple[str, bytes], ...] = ()
+    # the chain's output items, packed: per item, a short hash of its id then its digest (OUTPUT_ENTRY bytes:
+    # 24 kB for MAX_REMEMBERED_OUTPUTS, where a tuple of (id, digest) pairs held about 200 kB)
+    outputs: bytes = b""
     stored: bool = False  # the upstream said it stored the response: any socket can continue it, not this one alone
+
+    def named(self) -> dict[bytes, bytes]:
+        """The output items' digests by their ids' hashes (``output_key``)."""
+        o = self.outputs
+        return {o[i:i + _KEY]: o[i + _KEY:i + OUTPUT_ENTRY] for i in range(0, len(o), OUTPUT_ENTRY)}
+
+    def resolved(self, digests: list[bytes], references: dict[bytes, str]) -> list[bytes]:
+        """``digests`` with each item reference to an output item of this chain replaced by that item's digest."""
+        named = self.named()
+        return [named.get(output_key(references[d]), d) if d in references else d for d in digests]
 
     def extended_by(self, root: bytes, digests: list[bytes], references: dict[bytes, str]) -> bool:
         """Whether a request's items strictly extend this sequence."""
         if root != self.root or len(digests) <= self.length:
             return False
         if references:
-            named = dict(self.outputs)
-            digests = [named.get(references.get(d, ""), d) for d in digests]
+            digests = self.resolved(digests, references)
         return ItemSequence(root, digests[: self.length]).digests[-1] == self.digest
 
 
@@ -267,6 +280,12 @@ def answered_response(response: msgspec.Raw, done_items: dict[int, msgspec.Raw])
 
 
 MAX_REMEMBERED_OUTPUTS = 1024  # output item ids a socket's chain keeps for item references
+_KEY = 8  # bytes of an output item id's hash: ids are the upstream's, a collision among 1024 is 2^-44 likely
+OUTPUT_ENTRY = _KEY + ITEM_DIGEST_SIZE
+
+
+def output_key(item_id: str) -> bytes:
+    return blake3(item_id.encode("utf-8", "surrogatepass")).digest(_KEY)
 
 
 def tip_after(root: bytes, digests: list[bytes], response: msgspec.Raw | None, done_items: dict[int, msgspec.Raw],
@@ -294,10 +313,13 @@ def tip_after(root: bytes, digests: list[bytes], response: msgspec.Raw | None, d
     except (ValueError, RecursionError):
         return None
     sequence = ItemSequence(root, [*digests, *output_digests])
-    kept = dict(previous.outputs) if previous is not None and previous.root == root else {}
-    kept.update((item["id"], digest) for item, digest in zip(output, output_digests, strict=True)
-                if isinstance(item.get("id"), str))
-    outputs = tuple(kept.items())[-MAX_REMEMBERED_OUTPUTS:]
+    new = {output_key(item["id"]): digest for item, digest in zip(output, output_digests, strict=True)
+           if isinstance(item.get("id"), str)}
+    kept = previous.named() if previous is not None and previous.root == root else {}
+    for key in new:
+        kept.pop(key, None)  # an id again: its newest item, at the end
+    kept.update(new)
+    outputs = b"".join(key + digest for key, digest in list(kept.items())[-MAX_REMEMBERED_OUTPUTS:])
     return Tip(root, sequence.digests[-1], len(sequence.items), answer["id"], outputs, answer.get("store") is True)
 
 
