@@ -495,6 +495,21 @@ def test_a_continuation_the_upstream_does_not_echo_turns_the_bridge_off_there(em
     assert "without echoing its previous_response_id; HTTP from now on" in proxy.output()
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_continuation_echoed_only_on_its_terminal_event_is_no_verdict(emulator, bridge, stream):
+    """A server whose response.created leaves previous_response_id out, and whose terminal event echoes
+    it: the turn is verified there, every turn stays on the socket, and no verdict is drawn."""
+    emulator.model.control({"echo_previous": "terminal"})
+    proxy = bridge()
+    conv = Conversation(proxy.url, stream=stream, options={"store": False})
+    converse(conv, 4)
+    log = records(emulator)
+    assert len(log) == len(conv.sent) and all(r["transport"] == "websocket" for r in log)
+    assert [r["continued"] for r in log] == [False] + [True] * (len(log) - 1)
+    assert_context_preserved(conv.sent, log)
+    assert "from now on" not in proxy.output()
+
+
 # -- concurrency and bounds ---------------------------------------------------------------------------
 
 

@@ -78,7 +78,9 @@ class Faults:
     # "not_allowed" (its paths 405, the field dropped)
     conversations: str | None = None
     echo_store: bool = True  # False: answers omit the ``store`` field
-    echo_previous: bool | str = True  # False: answers omit it; "respelled": another spelling (a gateway's ids)
+    # False: answers omit it; "respelled": another spelling (a gateway's ids); "terminal": on a socket, only the
+    # terminal event's response has it (response.created and response.in_progress leave it out)
+    echo_previous: bool | str = True
     input_items: str | None = None  # "absent": no ``GET …/input_items`` (its path is 404, as on a server without it)
     refuse_store: bool = False  # a zero-data-retention organization
     forget_probability: float = 0.0

@@ -171,6 +171,9 @@ class ResponsesSocket:
             events = error_events(response, errors.STREAM_ERROR)
         else:
             events = sse_events(response, fault.get("terminal_event"), obfuscation=wants_obfuscation(body))
+        if self.model.faults.echo_previous == "terminal":  # a server whose early events leave the echo out
+            events = [{**e, "response": {k: v for k, v in e["response"].items() if k != "previous_response_id"}}
+                      if "response" in e and n < len(events) - 1 else e for n, e in enumerate(events)]
         received = self._received  # a stall that ends on a message ends on one after the turn began
         self._pause(self.model.faults.think_ms)
         sent: list[str] = []

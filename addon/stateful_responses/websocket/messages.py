@@ -324,11 +324,13 @@ def tip_after(root: bytes, digests: list[bytes], response: msgspec.Raw | None, d
 
 
 class _Echo(msgspec.Struct):
-    previous_response_id: Any = None
+    previous_response_id: Any | msgspec.UnsetType = msgspec.UNSET
 
 
 def echoed_previous(response: msgspec.Raw | None) -> Any:
-    """The ``previous_response_id`` a response object echoes (None when absent or unreadable)."""
+    """The ``previous_response_id`` a response object echoes: ``msgspec.UNSET``
+    when it has no such field (an early event of a server that echoes it only
+    on the terminal one), None when null or unreadable."""
     if response is None:
         return None
     try:

@@ -259,9 +259,13 @@ async def _exchange(socket: UpstreamSocket, message: bytes, previous: str | None
             if event.type == "error" and not answer.started:
                 return _Exchange("refused", event)
             if not verified and event.response is not None:
-                if echoed_previous(event.response) != previous:
+                echoed = echoed_previous(event.response)
+                if echoed is msgspec.UNSET and not event.terminal:
+                    pass  # no echo in this event (some servers give it on the terminal one only): held back still
+                elif echoed != previous:
                     return _Exchange("unverified")
-                verified = True
+                else:
+                    verified = True
             if event.type == "response.output_item.done" and event.item is not None \
                     and isinstance(event.output_index, int):
                 done_items[event.output_index] = event.item
