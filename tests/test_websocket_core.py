@@ -147,7 +147,9 @@ def test_a_socket_limit_named_by_the_errors_type_is_a_state_error():
     ({"status": 400, "error": {"code": "invalid_value"}}, True, True, True),  # a refused continuation
     ({"status": 400, "error": {"code": "invalid_value"}}, False, False, True),  # the client's own request
     ({"status": 429, "error": {"code": "rate_limit_exceeded"}}, True, False, False),
-    ({"status": 500, "error": {"code": "server_error"}}, True, False, False),
+    ({"status": 500, "error": {"code": "server_error"}}, True, True, False),  # the change may be why: whole again
+    ({"status": 503, "error": {"code": "server_error"}}, True, False, False),  # unavailable, whatever is sent
+    ({"status": 500, "error": {"code": "server_error"}}, False, False, False),
     ({"error": {"code": "server_error"}}, False, False, False),
     ({"status_code": 400, "error": {"code": "invalid_value"}}, True, True, True),
     ({"status_code": 429, "error": {"code": "x"}}, True, False, False),
@@ -627,10 +629,20 @@ async def test_a_refusal_of_the_clients_own_request_goes_over_http_whose_answer_
     assert held.tip is None and held.open  # the socket is fine: back in the pool, remembering nothing
 
 
-@pytest.mark.parametrize("status", [429, 500])
-async def test_a_rate_limit_or_server_error_reaches_the_client_as_that_status(status):
-    outcome, data, _, http = await run(Scripted(refusal(status, "x")))
+@pytest.mark.parametrize("status,continued", [(429, True), (503, True), (500, False)])
+async def test_a_rate_limit_or_server_error_reaches_the_client_as_that_status(status, continued):
+    outcome, data, _, http = await run(Scripted(refusal(status, "x")), continued=continued)
     assert data.startswith(f"HTTP/1.1 {status}".encode()) and not http and outcome.status == status
+
+
+async def test_a_server_error_to_a_continuation_is_retried_whole_as_forward_mode_retries_its_changes():
+    """A 500 to a continuation (a request the bridge changed) goes again with the whole history, as
+    forward mode sends a changed request's original body again: invisibly, and no verdict."""
+    socket = Scripted(refusal(500, "server_error"), answered())
+    outcome, data, _, http = await run(socket)
+    assert "previous_response_id" not in socket.sent[-1] and len(socket.sent[-1]["input"]) == 4
+    assert outcome.status == 200 and not http and outcome.previous_response_id is None
+    assert outcome.refused_continuation is None and data.startswith(b"HTTP/1.1 200")
 
 
 async def test_a_continuation_that_does_not_echo_its_previous_id_is_never_relayed():

@@ -388,14 +388,16 @@ def test_an_error_event_with_a_status_reaches_the_client_as_that_status_and_the_
     proxy = bridge()
     conv = Conversation(proxy.url, options={"store": False})
     converse(conv, 2)
-    emulator.model.control({"fail_next": [{"kind": "ws_error", "status": status, "code": "x", "message": "try later"}]})
+    times = 2 if status == 500 else 1  # a 500 to a continuation goes again whole: the whole one fails too
+    emulator.model.control({"fail_next": [{"kind": "ws_error", "status": status, "code": "x",
+                                           "message": "try later"}] * times})
     conv = Conversation(proxy.url, options={"store": False}, history=conv.history, sent=conv.sent)
     with pytest.raises(error) as raised:
         conv.turn("this one is refused")
     assert raised.value.status_code == status and raised.value.body["code"] == "x"
     conv.history.pop()
     conv.sent.pop()
-    emulator.model.control({"fail_next": [{"kind": "ws_error", "status": status, "code": "x"}]})
+    emulator.model.control({"fail_next": [{"kind": "ws_error", "status": status, "code": "x"}]})  # a whole turn now
     conv = Conversation(proxy.url, options={"store": False}, history=conv.history, sent=conv.sent, max_retries=2)
     converse(conv, 1, "the SDK retries ")
     retried = [sent for n, sent in enumerate(conv.sent) if n == 0 or sent.body != conv.sent[n - 1].body]
@@ -439,6 +441,23 @@ def test_an_error_events_status_is_read_in_either_spelling_or_from_its_code_or_t
     assert_context_preserved(other.sent, [r for r in reached_the_client(emulator) if r["context"][0]
                                           == other.sent[0].body["input"][0]])
     assert "internal error" not in proxy.output()
+
+
+def test_a_500_to_a_continuation_goes_again_whole_on_the_socket_invisibly(emulator, bridge):
+    """The retry rule of forward mode, on the socket: a request the bridge changed (a continuation) that
+    gets a 500 goes again as the client meant it, whole, and the client never hears of it; no verdict."""
+    proxy = bridge()
+    conv = Conversation(proxy.url, options={"store": False})
+    converse(conv, 2)
+    emulator.model.control({"fail_next": [{"kind": "ws_error", "status": 500, "code": "server_error",
+                                           "when": "continued"}]})
+    conv = Conversation(proxy.url, options={"store": False}, history=conv.history, sent=conv.sent)
+    converse(conv, 2, "after the 500 ")
+    log = records(emulator)
+    failed = next(n for n, r in enumerate(log) if r["fault"] == "ws_error")
+    assert log[failed + 1]["transport"] == "websocket" and not log[failed + 1]["continued"]
+    assert_context_preserved(conv.sent, reached_the_client(emulator))
+    assert log[-1]["continued"] and "from now on" not in proxy.output()
 
 
 def test_a_refusal_of_the_clients_own_request_on_the_socket_goes_over_http(emulator, bridge):

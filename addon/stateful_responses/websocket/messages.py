@@ -24,7 +24,7 @@ from blake3 import blake3
 from ..items import ITEM_DIGEST_SIZE, ItemSequence, item_digest, strict_loads
 from ..request_reader import splice
 from ..answer_reader import TERMINAL_EVENTS
-from ..upstreams import TRANSIENT_STATUSES
+from ..upstreams import TRANSIENT_STATUSES, UNAVAILABLE_STATUSES
 
 # Refusals about the socket's state, not the request: the turn goes again with
 # its full history, and the client never hears of them.
@@ -198,11 +198,12 @@ def error_answer(event: Event) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
 
 def retried_on_a_socket(event: Event, continued: bool) -> bool:
     """An error event that sends the turn again with its full history: one
-    about the socket's state, or any refusal of a continuation (the change is
-    what may have been refused)."""
+    about the socket's state, or any failure of a continuation but "not now"
+    and "unavailable" (the change may be why: a 500 too), as forward mode
+    retries every request it changed with the client's own body over HTTP."""
     status = event.http_status
-    return event.error_code in STATE_ERRORS or (continued and 400 <= status < 500
-                                                 and status not in TRANSIENT_STATUSES)
+    return event.error_code in STATE_ERRORS or (continued and 400 <= status
+                                                 and status not in TRANSIENT_STATUSES | UNAVAILABLE_STATUSES)
 
 
 def retried_over_http(event: Event) -> bool:

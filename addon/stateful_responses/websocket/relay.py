@@ -175,7 +175,7 @@ async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
         reason = f"the socket refused it ({event.error_code or event.http_status})"
         if continued is not None and retried_on_a_socket(event, True) and event.error_code in STATE_ERRORS:
             outcome.missed_memory += event.error_code == "previous_response_not_found"
-        elif continued is not None and retried_on_a_socket(event, True):  # not a state error: a refusal
+        elif continued is not None and retried_on_a_socket(event, True) and event.http_status < 500:  # a refusal
             outcome.refused_continuation = event.error_code or event.http_status
             outcome.refused_the_field = event.error is not None and b"previous_response_id" in bytes(event.error)
         if attempt == 1 and retried_on_a_socket(event, continued is not None):
