@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import socket
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -499,10 +500,10 @@ def test_an_http_fallback_answer_with_a_header_outside_latin_1_reaches_the_clien
     assert "internal error" not in proxy.output()
 
 
-def test_a_continuation_the_upstream_does_not_echo_turns_the_bridge_off_there(emulator, bridge):
+def test_a_continuation_the_upstream_does_not_echo_turns_the_bridge_off_there(emulator, bridge, tmp_path):
     """An upstream that takes the socket but ignores previous_response_id would lose history."""
     emulator.model.control({"echo_previous": False})
-    proxy = bridge()
+    proxy = bridge(confdir=str(tmp_path))
     conv = Conversation(proxy.url, options={"store": False})
     converse(conv, 4)
     log = records(emulator)
@@ -511,7 +512,13 @@ def test_a_continuation_the_upstream_does_not_echo_turns_the_bridge_off_there(em
     served = [r for r in log if r not in unverified]
     assert_context_preserved(conv.sent, served)
     assert [r["transport"] for r in served] == ["websocket"] + ["http"] * (len(conv.sent) - 1)
+    assert all(r["store"] is False for r in log)  # a verdict drawn from one answer forces no store
     assert "without echoing its previous_response_id; HTTP from now on" in proxy.output()
+    proxy.stop()
+    with contextlib.closing(sqlite3.connect(Path(proxy.confdir) / "stateful-responses.sqlite3")) as db:
+        marks = {bytes(key).partition(b"\x00")[0]: expires - time.time()
+                 for key, expires in db.execute("SELECT key, expires FROM records WHERE tbl = 'marks'")}
+    assert 3000 < marks[b"refuses_websocket"] <= 3600  # an hour, not stateful_ttl_days: one answer is no long verdict
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
