@@ -144,6 +144,26 @@ def test_a_previous_response_id_client_in_auto_mode_is_continued_by_agentic_api(
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("path", ["bridge", "http-unforced"])
+def test_a_previous_response_id_clients_first_answer_teaches_store_emulation_on_every_transport(
+        agentic_server, emulator, start_proxy, path, stream):
+    """The first turn (no previous_response_id) goes over agentic-api's WebSocket mode with the bridge (the
+    default), or over HTTP without a forced store: either way its answer, which does not say ``store``, is
+    judged by its request's (none said: the API's default), and the proof's GET shows agentic-api keeps it.
+    So the client's ids go on as they are: never an expansion resending item ids agentic-api holds (its
+    500, "failed to persist response")."""
+    options = {"upstream_websocket": "auto"} if path == "bridge" else {}
+    extra = ("--set", "stateful_force_store=false") if path == "http-unforced" else ()
+    proxy = start_proxy(agentic_server.url, "--set", "stateful_emulate=auto", "--set", "stateful_debug=true",
+                        *extra, **options)
+    six_exact_turns(proxy, emulator, chained=True, stream=stream)
+    output = proxy.stop()
+    assert "internal error" not in output and "expanded" not in output
+    if path == "bridge":
+        assert "ws: full: 1 items" in output
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_a_previous_response_id_client_in_always_mode_keeps_its_context(agentic_server, emulator, start_proxy,
                                                                        stream):
     """The proxy expands every chain, and forward mode sends the expansion on

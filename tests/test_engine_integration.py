@@ -109,22 +109,30 @@ def test_a_socket_that_refuses_previous_response_id_costs_one_wasted_call(emulat
     if store is None:  # then forward mode continues over HTTP
         http = [r for r in answered(emulator) if r["transport"] == "http"]
         assert http and all(r["continued"] for r in http[1:])
+    else:  # a verdict drawn from a turn is no licence to store what the client asked not to
+        assert all(r["store"] is False for r in log)
     output = proxy.stop()
     assert output.count("refused a continuation of its socket's own latest response") == 1
 
 
-def test_an_upstream_that_closes_its_sockets_before_any_event_is_continued_over_http(emulator, bridged):
+@pytest.mark.parametrize("store", [None, False], ids=["stored", "store-false"])
+def test_an_upstream_that_closes_its_sockets_before_any_event_is_continued_over_http(emulator, bridged, store):
     """LiteLLM's native pass-through accepts the upgrade and closes the socket: after one
-    turn, forward mode (forcing store, as with the bridge off) continues over HTTP."""
+    turn, forward mode continues over HTTP what the upstream stores (a turn that does not
+    say store: the API's default); a store: false conversation keeps its store (the verdict
+    is drawn from faults, for an hour: no licence to store) and goes whole."""
     emulator.model.control({"websocket": "close"})
     proxy = bridged()
-    conv = Conversation(proxy.url, as_dicts=True, options={"store": False})
+    conv = Conversation(proxy.url, as_dicts=True, options={} if store is None else {"store": store})
     converse(conv, 12)
     conv.close()
     log = answered(emulator)
     assert_context_preserved(conv.sent, log)
     assert len(log) == len(conv.sent) >= 16
-    assert sum(r["continued"] for r in log) >= len(log) - 1
+    if store is None:
+        assert sum(r["continued"] for r in log) >= len(log) - 1
+    else:
+        assert all(r["store"] is False and not r["continued"] for r in log)
     output = proxy.stop()
     assert output.count("closed sockets opened for a turn before their first event") == 1
     assert output.count("ws: opening a socket") == 1

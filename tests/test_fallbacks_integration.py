@@ -9,7 +9,15 @@ import json
 import threading
 
 import pytest
-from driver import Conversation, assert_context_preserved, drop_nulls, httpx, user_turns
+from driver import (
+    ChainedConversation,
+    Conversation,
+    assert_chain_context_preserved,
+    assert_context_preserved,
+    drop_nulls,
+    httpx,
+    user_turns,
+)
 
 AUTH = {"authorization": "Bearer sk-test-key"}
 
@@ -328,3 +336,25 @@ def test_a_clients_own_store_false_marks_nothing(emulator, start_proxy):
     conv.close()
     assert all(r["continued"] for r in log(emulator)[2:])  # the upstream was never marked
     assert "does not store" not in proxy.output()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_500_to_a_chain_expanded_before_the_upstream_is_proven_is_retried_with_the_clients_body(
+        emulator, start_proxy, stream):
+    """Store emulation expands a chain while the upstream's proof is still out (its GET slowed past the
+    wait): a 500 to that expansion is the proxy's doing, and goes again with the client's own body,
+    invisibly, as forward mode retries every request it changed, on every transport."""
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=auto", "--set", "stateful_force_store=false",
+                        "--set", "stateful_debug=true")
+    emulator.model.control({"fail_next": [{"kind": "stall", "endpoint": "retrieve", "ms": 6000}]})
+    conv = ChainedConversation(proxy.url, stream=stream)
+    conv.turn("first")
+    emulator.model.control({"fail_next": [{"kind": "status", "status": 500}]})
+    conv.turn("second")
+    conv.close()
+    records = log(emulator)
+    assert [r["status_code"] for r in records] == [200, 500, 200]  # the expansion's 500, then the client's body
+    assert records[2]["previous_response_id"] == records[0]["response_id"]
+    assert_chain_context_preserved(conv, records)
+    output = proxy.stop()
+    assert "expanded" in output and "internal error" not in output

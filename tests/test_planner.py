@@ -359,7 +359,9 @@ def test_no_store_is_forced_where_the_upstreams_websocket_mode_may_serve_the_del
     planner.config.update(Settings(upstream_websocket="off"))  # no bridge: forward mode forces as before
     assert planner.plan(request(conv, store=False), websocket_mode=True).forced_store
     planner.config.update(Settings())
-    planner.upstreams.mark("refuses_websocket", plan.scope)  # no WebSocket mode there
+    planner.upstreams.mark("refuses_websocket", plan.scope, 3600.0)  # sockets found no use for an hour: a fault
+    assert not planner.plan(request(conv, store=False), websocket_mode=True).forced_store  # is no licence to store
+    planner.upstreams.mark("lacks_websocket", plan.scope)  # the upgrade refused: no WebSocket mode there
     assert planner.plan(request(conv, store=False), websocket_mode=True).forced_store
     assert not planner.plan(request(conv, "other-tenant", store=False), websocket_mode=True).forced_store
 
@@ -443,10 +445,18 @@ def test_an_answer_without_store_is_taken_as_asked_and_continued_only_once_read_
     assert planner.plan(request(nxt)).action == "full"  # not read back yet
     planner.upstreams.mark("reads_back", first.scope)
     assert planner.plan(request(nxt)).action == "continue"
-    # a request that did not ask to store: its answer is not taken as stored
+    # a request that does not say store, unforced (stateful_force_store=false, or a turn the upstream's
+    # WebSocket mode may serve, over a socket or HTTP): the API's default, stored, until the GET says otherwise
     unforced = Planner(Config(Settings(force_store=False)))
     plan = unforced.plan(request(conv))
-    assert not plan.asked_store and unforced.settle(plan, 200, _answer("resp_2")).kind == "ignored"
+    assert not plan.asked_store and unforced.settle(plan, 200, _answer("resp_2")).kind == "advanced"
+    bridged = planner.plan(request([{"role": "user", "content": "z"}]), websocket_mode=True)
+    assert not bridged.forced_store and planner.settle(bridged, 200, _answer("resp_3")).kind == "advanced"
+    # one that says store: false is not taken as stored, nor our own retry of a client's body
+    plan = unforced.plan(request(conv, store=False))
+    assert unforced.settle(plan, 200, _answer("resp_4")).kind == "ignored"
+    retry = unforced.plan(request(conv), rewrite=False)
+    assert unforced.settle(retry, 200, _answer("resp_5")).kind == "ignored"
 
 
 def test_a_continuation_whose_answer_does_not_echo_the_id_is_not_built_upon():

@@ -28,6 +28,9 @@ from stateful_responses.websocket.loopback import Answer
 from stateful_responses.websocket.messages import (
     Tip,
     error_answer,
+    MAX_REMEMBERED_OUTPUTS,
+    OUTPUT_ENTRY,
+    output_key,
     read_event,
     retried_on_a_socket,
     retried_over_http,
@@ -104,7 +107,38 @@ def test_each_event_is_framed_as_the_apis_sse_and_reads_back_as_it_came():
 ])
 def test_an_error_event_becomes_the_http_status_and_body_of_the_api(event, status, body):
     answered = error_answer(read_event(event))
-    assert answered[0] == status and json.loads(answered[1]) == body
+    assert answered[0] == status and json.loads(answered[2]) == body
+
+
+@pytest.mark.parametrize("event,status", [
+    ({"status_code": 429, "error": {"code": "x"}}, 429),  # the spelling codex-rs also reads
+    ({"status_code": 400, "error": {"code": "x"}}, 400),
+    ({"error": {"code": "rate_limit_exceeded"}}, 429),  # no status: its code or type tells
+    ({"error": {"type": "invalid_request_error", "code": "previous_response_not_found"}}, 400),
+    ({"error": {"type": "invalid_request_error", "code": "odd"}}, 400),
+    ({"error": {"type": "server_error"}}, 500),
+    ({"error": {"code": "server_is_overloaded"}}, 503),
+    ({"error": {"code": "who_knows"}}, 500),
+    ({"code": "rate_limit_exceeded"}, 429),  # the flat form
+    ({"status": True, "error": {"code": "x"}}, 500),
+])
+def test_an_error_events_status_is_its_own_or_the_one_its_code_names(event, status):
+    assert read_event(json.dumps({"type": "error", **event})).http_status == status
+
+
+def test_an_error_events_retry_after_reaches_the_client_from_either_place():
+    top = read_event(json.dumps({"type": "error", "status": 429, "error": {"code": "x"},
+                                 "headers": {"Retry-After": 7, "x-request-id": "req_1", "x-ratelimit-reset": "1s"}}))
+    nested = read_event(json.dumps({"type": "error", "status": 429,
+                                    "error": {"code": "x", "headers": {"retry-after-ms": "900", "bad": "\r\nx"}}}))
+    assert error_answer(top)[1] == [(b"content-type", b"application/json"), (b"retry-after", b"7"),
+                                    (b"x-ratelimit-reset", b"1s")]
+    assert error_answer(nested)[1][1:] == [(b"retry-after-ms", b"900")]
+
+
+def test_a_socket_limit_named_by_the_errors_type_is_a_state_error():
+    event = read_event(json.dumps({"type": "error", "error": {"type": "websocket_connection_limit_reached"}}))
+    assert event.error_code == "websocket_connection_limit_reached" and retried_on_a_socket(event, False)
 
 
 @pytest.mark.parametrize("event,continued,on_a_socket,over_http", [
@@ -113,13 +147,34 @@ def test_an_error_event_becomes_the_http_status_and_body_of_the_api(event, statu
     ({"status": 400, "error": {"code": "invalid_value"}}, True, True, True),  # a refused continuation
     ({"status": 400, "error": {"code": "invalid_value"}}, False, False, True),  # the client's own request
     ({"status": 429, "error": {"code": "rate_limit_exceeded"}}, True, False, False),
-    ({"status": 500, "error": {"code": "server_error"}}, True, False, False),
+    ({"status": 500, "error": {"code": "server_error"}}, True, True, False),  # the change may be why: whole again
+    ({"status": 503, "error": {"code": "server_error"}}, True, False, False),  # unavailable, whatever is sent
+    ({"status": 500, "error": {"code": "server_error"}}, False, False, False),
     ({"error": {"code": "server_error"}}, False, False, False),
+    ({"status_code": 400, "error": {"code": "invalid_value"}}, True, True, True),
+    ({"status_code": 429, "error": {"code": "x"}}, True, False, False),
+    ({"error": {"type": "invalid_request_error", "code": "invalid_value"}}, True, True, True),
+    ({"error": {"code": "rate_limit_exceeded"}}, True, False, False),
 ])
 def test_which_refusals_are_retried_and_how(event, continued, on_a_socket, over_http):
     parsed = read_event(json.dumps({"type": "error", **event}))
     assert retried_on_a_socket(parsed, continued) is on_a_socket
     assert retried_over_http(parsed) is over_http
+
+
+def test_a_sockets_memory_of_output_ids_is_bounded_and_packed():
+    """A long conversation's socket keeps the latest MAX_REMEMBERED_OUTPUTS output item ids for item
+    references, packed: 24 bytes each, not a pair of Python objects (about 200 bytes)."""
+    tip = None
+    for n in range(MAX_REMEMBERED_OUTPUTS + 100):
+        output = [{"type": "message", "id": f"msg_{n}", "role": "assistant", "status": "completed",
+                   "content": [{"type": "output_text", "text": f"x{n}", "annotations": []}]}]
+        tip = tip_after(ROOT, [], msgspec.Raw(json.dumps({"id": f"resp_{n}", "status": "completed",
+                                                          "output": output}).encode()), {}, tip)
+    assert len(tip.outputs) == MAX_REMEMBERED_OUTPUTS * OUTPUT_ENTRY == 24 * 1024
+    named = tip.named()
+    assert output_key(f"msg_{MAX_REMEMBERED_OUTPUTS + 99}") in named and output_key("msg_99") not in named
+    assert output_key("msg_100") in named  # the oldest kept
 
 
 # -- the socket's memory ----------------------------------------------------------------------------
@@ -143,7 +198,7 @@ def tip_of(response=RESPONSE, history=HISTORY, done=None) -> Tip | None:
 
 def test_a_completed_response_is_remembered_as_its_input_then_its_output():
     tip = tip_of()
-    assert (tip.length, tip.response_id, dict(tip.outputs).keys()) == (3, "resp_1", {"msg_1", "fc_1"})
+    assert (tip.length, tip.response_id, tip.named().keys()) == (3, "resp_1", {output_key("msg_1"), output_key("fc_1")})
     echo = HISTORY + [{"role": "assistant", "content": "hello"},  # an easy message echoes the typed one
                       {**OUTPUT[1], "arguments": '{"a":1}', "status": None}]  # re-serialized, a null added
     assert tip.extended_by(ROOT, digests(echo + [{"type": "function_call_output", "call_id": "call_1",
@@ -253,6 +308,21 @@ def conversation(n: int, turns: int) -> tuple[list, Tip]:
         tip = tip_of(response, history)
         history = history + response["output"]
     return history, tip
+
+
+def test_a_socket_given_back_unused_keeps_its_memory_as_stale_as_it_was():
+    """A turn that took a stale memory's socket and then went elsewhere gives it back as it was: the
+    conversation that ended does not look live again (a release would stamp it as just used)."""
+    p, clock = pool(max_per_scope=1)
+    held = opened(p, tip=tip_of())
+    clock.now += LIVE_S + 1  # the conversation it remembers ended
+    newcomer = digests([{"role": "user", "content": "another conversation"}])
+    choice = p.choose("s", ROOT, newcomer, {})
+    assert choice.held is held and choice.continued is None
+    p.give_back(choice.held)
+    assert held.tip == tip_of() and not held.busy  # its memory kept
+    clock.now += 1
+    assert p.choose("s", ROOT, newcomer, {}).held is held  # still stale: the newcomer gets it at once
 
 
 def test_more_conversations_than_sockets_never_take_a_live_conversations_memory():
@@ -554,15 +624,25 @@ async def test_a_state_error_sends_the_turn_whole_and_the_client_never_hears_of_
 
 async def test_a_refusal_of_the_clients_own_request_goes_over_http_whose_answer_is_the_clients():
     outcome, data, held, http = await run(Scripted(refusal(400, "unsupported_parameter")), continued=False,
-                                          http=(400, [("content-type", "application/json")], b'{"error": 1}'))
+                                          http=(400, [(b"content-type", b"application/json")], b'{"error": 1}'))
     assert http and outcome.transport == "http" and data.startswith(b"HTTP/1.1 400") and data.endswith(b'{"error": 1}')
     assert held.tip is None and held.open  # the socket is fine: back in the pool, remembering nothing
 
 
-@pytest.mark.parametrize("status", [429, 500])
-async def test_a_rate_limit_or_server_error_reaches_the_client_as_that_status(status):
-    outcome, data, _, http = await run(Scripted(refusal(status, "x")))
+@pytest.mark.parametrize("status,continued", [(429, True), (503, True), (500, False)])
+async def test_a_rate_limit_or_server_error_reaches_the_client_as_that_status(status, continued):
+    outcome, data, _, http = await run(Scripted(refusal(status, "x")), continued=continued)
     assert data.startswith(f"HTTP/1.1 {status}".encode()) and not http and outcome.status == status
+
+
+async def test_a_server_error_to_a_continuation_is_retried_whole_as_forward_mode_retries_its_changes():
+    """A 500 to a continuation (a request the bridge changed) goes again with the whole history, as
+    forward mode sends a changed request's original body again: invisibly, and no verdict."""
+    socket = Scripted(refusal(500, "server_error"), answered())
+    outcome, data, _, http = await run(socket)
+    assert "previous_response_id" not in socket.sent[-1] and len(socket.sent[-1]["input"]) == 4
+    assert outcome.status == 200 and not http and outcome.previous_response_id is None
+    assert outcome.refused_continuation is None and data.startswith(b"HTTP/1.1 200")
 
 
 async def test_a_continuation_that_does_not_echo_its_previous_id_is_never_relayed():

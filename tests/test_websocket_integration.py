@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import socket
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -345,6 +346,26 @@ def test_a_socket_that_breaks_mid_answer_of_a_json_client_is_invisible(emulator,
     assert_context_preserved(conv.sent, reached_the_client(emulator))
 
 
+def test_cache_misses_on_sockets_are_no_verdict_and_never_force_store(emulator, bridge):
+    """previous_response_not_found to a continuation of the socket's own latest response is the socket's state
+    (an eviction upstream), not a refusal: the turn goes whole on the socket, the next ones are continued
+    there again, and no turn of a store: false conversation is ever sent with store forced."""
+    proxy = bridge()
+    conv = Conversation(proxy.url, options={"store": False})
+    converse(conv, 2)
+    miss = {"kind": "reject", "when": "continued", "status": 400, "code": "previous_response_not_found",
+            "message": "Previous response with id 'resp_x' not found."}
+    emulator.model.control({"fail_next": [miss] * 3})  # three continuations in a row miss
+    conv = Conversation(proxy.url, options={"store": False}, history=conv.history, sent=conv.sent)
+    converse(conv, 5, "after cache misses ")
+    log = records(emulator)
+    assert sum(r["fault"] == "reject" for r in log) == 3
+    assert all(r["transport"] == "websocket" for r in log)
+    assert all(r["store"] is False and r.get("stored") is not True for r in log)  # never forced, nothing kept
+    assert_context_preserved(conv.sent, reached_the_client(emulator))
+    assert log[-1]["continued"] and "HTTP from now on" not in proxy.output()
+
+
 def test_a_failed_turn_evicts_the_sockets_memory_and_the_next_turn_goes_whole(emulator, bridge):
     proxy = bridge()
     conv = Conversation(proxy.url, options={"store": False})
@@ -368,19 +389,76 @@ def test_an_error_event_with_a_status_reaches_the_client_as_that_status_and_the_
     proxy = bridge()
     conv = Conversation(proxy.url, options={"store": False})
     converse(conv, 2)
-    emulator.model.control({"fail_next": [{"kind": "ws_error", "status": status, "code": "x", "message": "try later"}]})
+    times = 2 if status == 500 else 1  # a 500 to a continuation goes again whole: the whole one fails too
+    emulator.model.control({"fail_next": [{"kind": "ws_error", "status": status, "code": "x",
+                                           "message": "try later"}] * times})
     conv = Conversation(proxy.url, options={"store": False}, history=conv.history, sent=conv.sent)
     with pytest.raises(error) as raised:
         conv.turn("this one is refused")
     assert raised.value.status_code == status and raised.value.body["code"] == "x"
     conv.history.pop()
     conv.sent.pop()
-    emulator.model.control({"fail_next": [{"kind": "ws_error", "status": status, "code": "x"}]})
+    emulator.model.control({"fail_next": [{"kind": "ws_error", "status": status, "code": "x"}]})  # a whole turn now
     conv = Conversation(proxy.url, options={"store": False}, history=conv.history, sent=conv.sent, max_retries=2)
     converse(conv, 1, "the SDK retries ")
     retried = [sent for n, sent in enumerate(conv.sent) if n == 0 or sent.body != conv.sent[n - 1].body]
     assert len(retried) == len(conv.sent) - 1  # the SDK sent the refused request once more
     assert_context_preserved(retried, reached_the_client(emulator))
+
+
+@pytest.mark.parametrize("spelling", ["status_code", "none"])
+def test_an_error_events_status_is_read_in_either_spelling_or_from_its_code_or_type(emulator, bridge, spelling):
+    """Servers name an error event's status ``status_code`` (codex-rs reads either), or leave it out: a
+    refused continuation stays an invisible full retry, a 429 a 429 with its Retry-After, a refusal of the
+    client's own request goes once over HTTP, and the socket's limit named by the error's type takes a fresh
+    socket. None of them is a 500 of the proxy's making."""
+    emulator.model.control({"ws_error_status": spelling})
+    proxy = bridge()
+    conv = Conversation(proxy.url, options={"store": False})
+    converse(conv, 2)
+    emulator.model.control({"fail_next": [{"kind": "reject", "when": "continued", "status": 400,
+                                           "code": "invalid_value", "message": "Invalid value."}]})
+    conv = Conversation(proxy.url, options={"store": False}, history=conv.history, sent=conv.sent)
+    conv.turn("a refused continuation")
+    emulator.model.control({"fail_next": [{"kind": "ws_error", "status": 429, "code": "rate_limit_exceeded",
+                                           "type": "requests", "headers": {"retry-after": "7"}}]})
+    with pytest.raises(openai.RateLimitError) as raised:
+        conv.turn("this one is rate limited")
+    assert raised.value.response.headers["retry-after"] == "7" and raised.value.body["code"] == "rate_limit_exceeded"
+    conv.history.pop()
+    conv.sent.pop()
+    emulator.model.control({"fail_next": [{"kind": "ws_error", "status": 400, "code": None,
+                                           "type": "websocket_connection_limit_reached", "when": "continued"}]})
+    conv.turn("the socket is worn out")
+    converse(conv, 1, "then ")
+    log = records(emulator)
+    worn = next(n for n, r in enumerate(log) if r["fault"] == "ws_error" and r["status_code"] == 400)
+    assert log[worn + 1]["socket"] != log[worn]["socket"] and log[worn + 1]["transport"] == "websocket"
+    assert_context_preserved(conv.sent, reached_the_client(emulator))
+    emulator.model.control({"fail_next": [{"kind": "ws_error", "status": 400, "code": "unsupported_parameter"}]})
+    other = Conversation(proxy.url, options={"store": False})
+    converse(other, 1, "another conversation ")
+    assert records(emulator)[-1]["transport"] == "http"  # refused on the socket, answered over HTTP
+    assert_context_preserved(other.sent, [r for r in reached_the_client(emulator) if r["context"][0]
+                                          == other.sent[0].body["input"][0]])
+    assert "internal error" not in proxy.output()
+
+
+def test_a_500_to_a_continuation_goes_again_whole_on_the_socket_invisibly(emulator, bridge):
+    """The retry rule of forward mode, on the socket: a request the bridge changed (a continuation) that
+    gets a 500 goes again as the client meant it, whole, and the client never hears of it; no verdict."""
+    proxy = bridge()
+    conv = Conversation(proxy.url, options={"store": False})
+    converse(conv, 2)
+    emulator.model.control({"fail_next": [{"kind": "ws_error", "status": 500, "code": "server_error",
+                                           "when": "continued"}]})
+    conv = Conversation(proxy.url, options={"store": False}, history=conv.history, sent=conv.sent)
+    converse(conv, 2, "after the 500 ")
+    log = records(emulator)
+    failed = next(n for n, r in enumerate(log) if r["fault"] == "ws_error")
+    assert log[failed + 1]["transport"] == "websocket" and not log[failed + 1]["continued"]
+    assert_context_preserved(conv.sent, reached_the_client(emulator))
+    assert log[-1]["continued"] and "from now on" not in proxy.output()
 
 
 def test_a_refusal_of_the_clients_own_request_on_the_socket_goes_over_http(emulator, bridge):
@@ -394,10 +472,38 @@ def test_a_refusal_of_the_clients_own_request_on_the_socket_goes_over_http(emula
     assert "ws: sent over HTTP" in proxy.output()
 
 
-def test_a_continuation_the_upstream_does_not_echo_turns_the_bridge_off_there(emulator, bridge):
+NOTE_HEADER = """
+class NoteHeader:
+    \"\"\"A gateway that adds a header outside latin-1 (UTF-8 bytes, as some servers send) to its HTTP answers.\"\"\"
+
+    def response(self, flow):
+        if flow.request.method == "POST" and flow.response is not None:
+            flow.response.headers["x-note"] = "Wetter \u2192 sonnig \u2600"
+
+addons = [NoteHeader()]
+"""
+
+
+def test_an_http_fallback_answer_with_a_header_outside_latin_1_reaches_the_client_as_it_came(
+        emulator, bridge, start_proxy, tmp_path):
+    script = tmp_path / "note.py"
+    script.write_text(NOTE_HEADER)
+    gateway = start_proxy(emulator.url, "-s", str(script), script=False)
+    proxy = bridge(upstream=gateway.url)
+    emulator.model.control({"fail_next": [{"kind": "ws_error", "status": 400, "code": "unsupported_parameter"}]})
+    with httpx.Client(trust_env=False, timeout=30) as client:
+        answer = client.post(f"{proxy.url}/v1/responses", headers=AUTH,
+                             json={"model": "gpt-test", "input": "hello", "store": False})
+    assert answer.status_code == 200 and answer.json()["status"] == "completed"
+    assert dict(answer.headers.raw)[b"x-note"] == "Wetter \u2192 sonnig \u2600".encode()
+    assert [r["transport"] for r in records(emulator)] == ["websocket", "http"]
+    assert "internal error" not in proxy.output()
+
+
+def test_a_continuation_the_upstream_does_not_echo_turns_the_bridge_off_there(emulator, bridge, tmp_path):
     """An upstream that takes the socket but ignores previous_response_id would lose history."""
     emulator.model.control({"echo_previous": False})
-    proxy = bridge()
+    proxy = bridge(confdir=str(tmp_path))
     conv = Conversation(proxy.url, options={"store": False})
     converse(conv, 4)
     log = records(emulator)
@@ -406,7 +512,28 @@ def test_a_continuation_the_upstream_does_not_echo_turns_the_bridge_off_there(em
     served = [r for r in log if r not in unverified]
     assert_context_preserved(conv.sent, served)
     assert [r["transport"] for r in served] == ["websocket"] + ["http"] * (len(conv.sent) - 1)
+    assert all(r["store"] is False for r in log)  # a verdict drawn from one answer forces no store
     assert "without echoing its previous_response_id; HTTP from now on" in proxy.output()
+    proxy.stop()
+    with contextlib.closing(sqlite3.connect(Path(proxy.confdir) / "stateful-responses.sqlite3")) as db:
+        marks = {bytes(key).partition(b"\x00")[0]: expires - time.time()
+                 for key, expires in db.execute("SELECT key, expires FROM records WHERE tbl = 'marks'")}
+    assert 3000 < marks[b"refuses_websocket"] <= 3600  # an hour, not stateful_ttl_days: one answer is no long verdict
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_continuation_echoed_only_on_its_terminal_event_is_no_verdict(emulator, bridge, stream):
+    """A server whose response.created leaves previous_response_id out, and whose terminal event echoes
+    it: the turn is verified there, every turn stays on the socket, and no verdict is drawn."""
+    emulator.model.control({"echo_previous": "terminal"})
+    proxy = bridge()
+    conv = Conversation(proxy.url, stream=stream, options={"store": False})
+    converse(conv, 4)
+    log = records(emulator)
+    assert len(log) == len(conv.sent) and all(r["transport"] == "websocket" for r in log)
+    assert [r["continued"] for r in log] == [False] + [True] * (len(log) - 1)
+    assert_context_preserved(conv.sent, log)
+    assert "from now on" not in proxy.output()
 
 
 # -- concurrency and bounds ---------------------------------------------------------------------------
@@ -529,6 +656,31 @@ def test_turns_beyond_the_socket_cap_go_over_http_with_the_clients_store(emulato
     assert "every socket of" in proxy.output()
 
 
+def test_a_store_false_conversation_that_overflowed_gets_the_freed_socket_back(emulator, bridge):
+    """One socket, two store: false conversations: the second overflows to HTTP while the first is live
+    (store forced there, as without the bridge). Once the first ended and its memory went stale, the
+    second's later turns take the idle socket (its first one there whole, the rest continued from the
+    socket's memory, nothing stored), not HTTP with store forced."""
+    proxy = bridge("--set", "stateful_upstream_websocket_max_sockets=1")
+    first = Conversation(proxy.url, options={"store": False})
+    for text in user_turns(3, "first "):
+        first.turn(text)
+        time.sleep(1)  # its pace: a second between turns, so it stays live three seconds after each
+    first.close()
+    second = Conversation(proxy.url, options={"store": False})
+    second.turn("second turn 0: overflow")
+    overflowed = len(records(emulator))
+    assert records(emulator)[-1]["transport"] == "http"  # the first conversation's memory was live
+    time.sleep(4)  # the first conversation ended: its memory goes stale
+    converse(second, 5, "second, later ")
+    later = records(emulator)[overflowed:]
+    assert [r["transport"] for r in later] == ["websocket"] * len(later)
+    assert [r["continued"] for r in later] == [False] + [True] * (len(later) - 1)
+    assert all(r["store"] is False and r["stored"] is False for r in later)  # never forced again
+    mine = [r for r in records(emulator) if r["context"][0] == second.sent[0].body["input"][0]]
+    assert_context_preserved(second.sent, mine)
+
+
 class CountingRelay:
     """A TCP relay on loopback in front of ``upstream`` that counts the bytes sent to it: what crosses the
     uplink, request lines, headers, handshakes and frames included."""
@@ -628,6 +780,19 @@ def test_tenants_and_models_never_share_a_socket_or_its_memory(emulator, bridge)
         assert len({r["socket"] for r in own}) == 1 and all(r["continued"] for r in own[1:])
     assert len({own[0]["socket"] for own in by_tenant}) == 3
     assert by_tenant[0][0]["credential"] == by_tenant[2][0]["credential"] != by_tenant[1][0]["credential"]
+
+
+def test_a_shutdown_after_bridged_traffic_is_quiet(emulator, bridge):
+    """mitmdump stops while the client still holds its connection (and mitmproxy its own to the loopback
+    server): the bridge's connections end without a traceback. (mitmproxy logs its own cancelled client
+    connection on Python 3.11 with or without the addon.)"""
+    proxy = bridge()
+    conv = Conversation(proxy.url, options={"store": False})
+    for text in user_turns(3):
+        conv.turn(text)
+    output = proxy.stop()
+    conv.close()
+    assert "loopback.py" not in output and "stateful_responses" not in output.partition("Traceback")[2]
 
 
 def test_idle_sockets_are_closed(emulator, bridge):

@@ -13,10 +13,12 @@ answered the Conversations API as the API does), ``lacks_conversations``
 (it answered a Conversations endpoint 404/405, refused the ``conversation``
 field or echoed another conversation, or none, in its place), ``serves_responses`` (of a host, its scope made without
 a credential: it answered a Responses request, so its ``/conversations`` are
-the Responses API's) and ``refuses_websocket`` (its sockets are no use:
+the Responses API's), ``refuses_websocket`` (its sockets are no use:
 it refused the WebSocket upgrade or never answered it, closed sockets
 before their first event, or a socket refused or did not continue what it
-was asked to), ``has_compaction`` / ``lacks_compaction`` (it answered
+was asked to), ``lacks_websocket`` (it refused the upgrade with a 4xx: it
+has no WebSocket mode; only this one lets forward mode force ``store`` on a
+``store: false`` turn, never a verdict drawn from faults), ``has_compaction`` / ``lacks_compaction`` (it answered
 ``/responses/compact`` or a compaction trigger as the API does / answered the
 endpoint 404/405, refused a compaction item or trigger as unknown, or answered
 a trigger with no compaction item: see ``compaction/``). Each expires (a verdict drawn from faults sooner than the
@@ -38,7 +40,7 @@ MARKS = "marks"  # kind + scope -> when it expires
 
 MarkKind = Literal["reads_back", "unsupported", "no_forced_store", "honours_previous", "refuses_previous",
                    "has_conversations", "lacks_conversations", "refuses_websocket", "serves_responses",
-                   "has_compaction", "lacks_compaction"]
+                   "lacks_websocket", "has_compaction", "lacks_compaction"]
 MARK_KINDS = frozenset(MarkKind.__args__)  # type: ignore[attr-defined]
 
 # Answers that say "not now", not "not this": the client's SDK retries them and

@@ -47,6 +47,7 @@ class Plan:
     items_total: int = 0
     items_sent: int = 0
     asked_store: bool = False  # the body sent upstream says store: true
+    store_unsaid: bool = False  # the body sent upstream does not say store (the API's default is to store)
     forced_store: bool = False  # we set store: true where the client had not
     client_bytes: int = 0
     client_previous_response_id: str | None = None  # the client's own continuation, watched for its echo
@@ -211,9 +212,11 @@ class Planner:
             and client_store is not True
             and not self.upstreams.has("no_forced_store", scope)
             # the upstream's WebSocket mode may serve the deltas without storage: never force it to store
-            # unless it showed it has no WebSocket mode (while an upgrade is pending or resting, too)
+            # unless it refused the upgrade (it has no WebSocket mode); a verdict drawn from faults (sockets
+            # closed, a refused or unechoed continuation, an upgrade never answered) is no licence to store
+            # what the client asked not to: it lasts an hour, and may be a fault of that hour
             and not (s.upstream_websocket == "auto" and websocket_mode
-                     and not self.upstreams.has("refuses_websocket", scope))
+                     and not self.upstreams.has("lacks_websocket", scope))
         )
         asked_store = client_store is True or force
         plan = Plan(
@@ -227,6 +230,7 @@ class Planner:
             items_total=len(digests),
             items_sent=len(digests),
             asked_store=asked_store,
+            store_unsaid=client_store is None and not force and rewrite,  # not our retry of the client's body
             forced_store=force,
             client_bytes=len(request.body),
             root=root,
@@ -413,9 +417,10 @@ class Planner:
                            "until the upstream shows it read the chain", rid)
         stored = response.get("store")
         if not isinstance(stored, bool):
-            # An answer that does not say (agentic-api's) is taken as asked: nothing is continued from it before
-            # a GET proves the upstream reads stored responses back, nor trusted before an echo shows the chain read.
-            stored = plan.asked_store
+            # An answer that does not say (agentic-api's) is taken as asked, a request that does not say either
+            # by the API's default (stored), on every transport: nothing is continued from it before a GET proves
+            # the upstream reads stored responses back, nor trusted before an echo shows the chain read.
+            stored = plan.asked_store or plan.store_unsaid
         if not stored:
             if plan.asked_store:
                 self._mark_unsupported(plan.scope)

@@ -21,6 +21,7 @@ class APIError(Exception):
                  param: str | None = None, code: str | None = None, body: dict | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.headers: dict[str, str] = {}  # sent with it (an error event carries them as an object)
         self.body = body if body is not None else {
             "error": {"message": message, "type": type_, "param": param, "code": code}}
 
@@ -184,14 +185,18 @@ def server_error(status: int = 500) -> APIError:
 
 
 def injected(fault: dict) -> APIError:
-    """The error a fault asks for (``status``, ``code``, ``message``, ``type``):
+    """The error a fault asks for (``status``, ``code``, ``message``, ``type``,
+    ``headers``: the HTTP headers an error event carries, ``Retry-After``):
     by default a server error from 500 up, otherwise a refused request."""
     status = fault.get("status", 500)
     if status >= 500:
-        return APIError(status, fault.get("message", SERVER_ERROR_MESSAGE), fault.get("type", "server_error"),
-                        code=fault.get("code"))
-    return APIError(status, fault.get("message", "The request was refused."),
-                    fault.get("type", "invalid_request_error"), code=fault.get("code"))
+        error = APIError(status, fault.get("message", SERVER_ERROR_MESSAGE), fault.get("type", "server_error"),
+                         code=fault.get("code"))
+    else:
+        error = APIError(status, fault.get("message", "The request was refused."),
+                         fault.get("type", "invalid_request_error"), code=fault.get("code"))
+    error.headers = dict(fault.get("headers") or {})
+    return error
 
 
 # -- WebSocket mode: each refusal is an ``error`` event on the socket -----------

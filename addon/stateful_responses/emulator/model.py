@@ -78,7 +78,9 @@ class Faults:
     # "not_allowed" (its paths 405, the field dropped)
     conversations: str | None = None
     echo_store: bool = True  # False: answers omit the ``store`` field
-    echo_previous: bool | str = True  # False: answers omit it; "respelled": another spelling (a gateway's ids)
+    # False: answers omit it; "respelled": another spelling (a gateway's ids); "terminal": on a socket, only the
+    # terminal event's response has it (response.created and response.in_progress leave it out)
+    echo_previous: bool | str = True
     input_items: str | None = None  # "absent": no ``GET …/input_items`` (its path is 404, as on a server without it)
     refuse_store: bool = False  # a zero-data-retention organization
     forget_probability: float = 0.0
@@ -98,6 +100,9 @@ class Faults:
     # No compaction (compaction.py): "absent" (the endpoint 404, items and the trigger refused) | "not_allowed"
     # (the endpoint 405) | "ignore" (the endpoint 404, compaction items refused, a trigger silently dropped)
     compaction: str | None = None
+    # how a socket's error event names its HTTP status: "status" (OpenAI's), "status_code" (Floway's; codex-rs
+    # reads either), "none" (left out, as inside a stream)
+    ws_error_status: str = "status"
     next: list[dict] = field(default_factory=list)  # one-shot faults, FIFO
 
     def take(self, continued: bool, protocol: str = RESPONSES, kinds: frozenset[str] | None = None,
@@ -119,7 +124,8 @@ class Faults:
 
 SETTABLE = ("stateless", "ignore_previous", "conversations", "echo_store", "echo_previous", "input_items",
             "refuse_store", "forget_probability", "slow_ms", "think_ms", "gzip", "background_delay_ms",
-            "read_rate_bytes_per_s", "websocket", "ws_lifetime_s", "numbered_ids", "ws_busy_code", "compaction")
+            "read_rate_bytes_per_s", "websocket", "ws_lifetime_s", "numbered_ids", "ws_busy_code", "compaction",
+            "ws_error_status")
 
 
 _SOCKET_NUMBERS = itertools.count(1)

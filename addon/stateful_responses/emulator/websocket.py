@@ -43,11 +43,19 @@ class ClientGone(ConnectionError):
     """The client closed the socket (or the connection broke) while a turn ran."""
 
 
-def error_event(error: APIError) -> dict:
+def error_event(error: APIError, status_field: str = "status") -> dict:
     """A refusal on the socket: openai-python's ``ResponseWsError`` (the HTTP
     status beside the API's error object, and no sequence number: it is not
-    part of a response's stream)."""
-    return {"type": "error", "status": error.status, "error": error.body["error"]}
+    part of a response's stream). ``status_field``: how the server names the
+    status (``status_code``, or ``none`` to leave it out); headers go where
+    the SDK (``error.headers``) and codex-rs (top level) read them."""
+    event: dict = {"type": "error"}
+    if status_field != "none":
+        event[status_field] = error.status
+    event["error"] = dict(error.body["error"])
+    if error.headers:
+        event["error"]["headers"] = event["headers"] = dict(error.headers)
+    return event
 
 
 class ResponsesSocket:
@@ -133,7 +141,7 @@ class ResponsesSocket:
             response, fault = self.model.create_on_socket(self.session, body, len(message),
                                                           hashlib.sha256(message).hexdigest())
         except APIError as e:
-            self._send_json(_on_lane(error_event(e), lane))
+            self._send_json(_on_lane(error_event(e, self.model.faults.ws_error_status), lane))
             return
         self.session.running[lane] = response["id"]
         self._turns = [t for t in self._turns if t.is_alive()]
@@ -163,6 +171,9 @@ class ResponsesSocket:
             events = error_events(response, errors.STREAM_ERROR)
         else:
             events = sse_events(response, fault.get("terminal_event"), obfuscation=wants_obfuscation(body))
+        if self.model.faults.echo_previous == "terminal":  # a server whose early events leave the echo out
+            events = [{**e, "response": {k: v for k, v in e["response"].items() if k != "previous_response_id"}}
+                      if "response" in e and n < len(events) - 1 else e for n, e in enumerate(events)]
         received = self._received  # a stall that ends on a message ends on one after the turn began
         self._pause(self.model.faults.think_ms)
         sent: list[str] = []
@@ -201,7 +212,7 @@ class ResponsesSocket:
             after, _ = self.model.create_on_socket(self.session, successor, len(message),
                                                    hashlib.sha256(message).hexdigest())
         except APIError as e:
-            self._send_json(_on_lane(error_event(e), lane))
+            self._send_json(_on_lane(error_event(e, self.model.faults.ws_error_status), lane))
             return None
         self.session.running[lane] = after["id"]
         body.clear()

@@ -615,16 +615,19 @@ class StoreEmulation:
         """A failure answer (a 500 too; not a "not now" or "unavailable") to a chain the
         proxy expanded, which forward mode did not change further (it retries
         its own changes, and the client's body last): the client's own body
-        goes again, so that no error the expansion caused reaches it. Only to
-        an upstream + credential that proved it continues a chain: one that
-        ignores the field would answer without the history."""
+        goes again, so that no error the expansion caused reaches it (forward
+        mode's rule for a request it changed, on every transport). Not to an
+        upstream + credential known to refuse or ignore the field (it would
+        answer without the history); one not yet proven either way (its proof
+        still running) gets the client's own body, as it would without the
+        proxy, and the answer's echo is judged."""
         assert flow.response is not None
         status = flow.response.status_code
         decision = flow.metadata.get(DECISION) or {}
         forward_changed = decision.get("action") == "continue" or decision.get("forced_store") is True
         return (flow.metadata.get(RETRY_OF) is None and record.expanded is not None and not forward_changed
                 and status >= 400 and status not in TRANSIENT_STATUSES | UNAVAILABLE_STATUSES
-                and self.upstreams.continuable(record.scope))
+                and not self.upstreams.cannot_continue(record.scope))
 
     async def _retry_as_sent(self, flow: http.HTTPFlow, record: _Flow) -> None:
         """The expanded chain failed: send the client's own body, whose
@@ -706,8 +709,9 @@ class StoreEmulation:
             elif verdict == "undecided":
                 self.proofs.start_echo(flow, record.scope, record.label, record.upstream, response["id"],
                                        len(record.raw_input))
-        # An answer that does not say (agentic-api's) was stored where its request asked for it, or where it
-        # continued a chain: the GET of the proof below shows whether the upstream really keeps it.
+        # An answer that does not say (agentic-api's) was stored where its request asked for it (or did not say:
+        # the API's default), or where it continued a chain, over HTTP or a socket alike: the GET of the proof
+        # below shows whether the upstream really keeps it.
         stored_upstream = stored is True or (stored is None and (verdict == "honoured" or _asks_to_store(flow)))
         # A compaction trigger is a control signal, never content: a later expansion never replays it.
         due = self.history.record(record.tenant, response=response, previous_response_id=record.previous_response_id,
@@ -755,11 +759,14 @@ _STORE = msgspec.json.Decoder(_Store)
 
 
 def _asks_to_store(flow: http.HTTPFlow) -> bool:
-    """Whether the body the upstream was sent says ``store: true``."""
+    """Whether the body the upstream was sent asks to store: says ``store:
+    true``, or nothing (the API's default; a bridged turn's socket message is
+    the client's body, which a full-history client sends without it)."""
     try:
-        return _STORE.decode(flow.request.get_content(strict=False) or b"").store is True
+        store = _STORE.decode(flow.request.get_content(strict=False) or b"").store
     except (msgspec.DecodeError, ValueError):
         return False
+    return store is True or store is None
 
 
 def _refused(flow: http.HTTPFlow, record: _Flow) -> bool:

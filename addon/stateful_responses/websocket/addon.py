@@ -73,7 +73,8 @@ REST_S = 60.0  # an upstream + credential whose socket could not be opened goes 
 # A socket verdict drawn from faults (an upgrade never answered, sockets closed before their first event, a
 # continuation refused) holds this long, on every replica: then one turn tries a socket again.
 REPROBE_S = 3600.0
-_HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "upgrade"})
+MISSES_FOR_VERDICT = 8  # cache misses in a row (previous_response_not_found) before sockets are found no use
+_HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"upgrade"})
 MARKS = {"continue": ":recycle:", "full": ":arrow_right:", "http": ":warning:"}
 
 
@@ -151,6 +152,7 @@ class WebSocketBridge:
         self._flows: PerFlow[_Job] = PerFlow()
         self._resting = Bounded(4096)  # scope -> until when its sockets are not tried
         self._refusals = Bounded(4096)  # scope -> continuations its sockets refused in a row
+        self._misses = Bounded(4096)  # scope -> continuations its sockets no longer remembered, in a row
         self._sweeper: asyncio.Task | None = None
         config.on_change(self._reconfigure)
         tenancy.on_new_secret(self._close_all)  # scopes and namespaces are named anew
@@ -244,9 +246,9 @@ class WebSocketBridge:
                     and (depth := plan.items_total - plan.items_sent) > (tip.length if tip is not None else 0):
                 if reading.client_store is not False:  # a stored response, hydrated on this socket
                     tip, stored = Tip(root, b"", depth, plan.previous_response_id), True
-                elif tip is None:  # a socket reads no stored response for a store:false turn: HTTP continues it
-                    self._give_back_choice(choice.held)
-                    return
+                # else a socket reads no stored response for a store:false turn (one the pool once sent over
+                # HTTP, store forced): it goes whole on this socket, whose memory then serves its next turns
+                # with nothing stored, rather than back to HTTP for good
             await self._take(flow, reading, target, root, references, choice.held, tip, choice.fresh, plan, stored)
         except BaseException:  # a socket the flow does not go to goes back, whatever happened
             if choice.held.busy and self._flows.get(flow) is None:
@@ -275,7 +277,7 @@ class WebSocketBridge:
         return plan
 
     def _give_back_choice(self, held: Held) -> None:
-        self._close([c for c in [self.pool.release(held, held.tip)] if c is not None])
+        self._close([c for c in [self.pool.give_back(held)] if c is not None])
 
     async def _take(self, flow: http.HTTPFlow, reading: Reading, target: Target, root: bytes,
                     references: dict[bytes, str], held: Held, tip: Tip | None, fresh: bool, plan: Plan | None,
@@ -302,8 +304,7 @@ class WebSocketBridge:
                 return
         digests = reading.digests
         if tip is not None and references and not stored:
-            outputs = dict(tip.outputs)
-            digests = [outputs.get(references.get(d, ""), d) for d in digests]
+            digests = tip.resolved(digests, references)
         client = flow.request.copy()
         body, fields = client.raw_content or b"", reading.fields
         turn = Turn(streamed=bytes(fields.get("stream", b"")) == b"true", root=root, digests=digests,
@@ -361,7 +362,7 @@ class WebSocketBridge:
             self._give_back(job)
 
     def _give_back(self, job: _Job) -> None:
-        self._close([c for c in [self.pool.release(job.held, job.held.tip)] if c is not None])
+        self._close([c for c in [self.pool.give_back(job.held)] if c is not None])
 
     # -- answering it ------------------------------------------------------------
 
@@ -385,7 +386,7 @@ class WebSocketBridge:
                 answer.drop()
             else:
                 failed = bad_gateway("internal error")
-                await answer.whole(502, list(failed.headers.items()), failed.raw_content or b"")
+                await answer.whole(502, list(failed.headers.fields), failed.raw_content or b"")
 
     async def _late(self, job: _Job, answer: Answer) -> None:
         """A flow that came after its socket was given back (and may be in
@@ -398,7 +399,7 @@ class WebSocketBridge:
         except Exception:
             internal_error(self.counters, "answering a late flow over HTTP")
             failed = bad_gateway("internal error")
-            outcome.status, headers, body = 502, list(failed.headers.items()), failed.raw_content or b""
+            outcome.status, headers, body = 502, list(failed.headers.fields), failed.raw_content or b""
         await answer.whole(outcome.status, headers, body)
 
     async def _over_http(self, flow: http.HTTPFlow, client: http.Request, job: _Job, outcome: Outcome) -> HttpAnswer:
@@ -418,7 +419,7 @@ class WebSocketBridge:
             answer, _ = await self.replays.send(flow, client.copy(), "the upstream refused a forced store")
             self.planner.retried(forced, answer.status_code)
             self.state.flush()
-        headers = [(k, v) for k, v in answer.headers.items(multi=True) if k.lower() not in _HOP_BY_HOP]
+        headers = [(k, v) for k, v in answer.headers.fields if k.lower() not in _HOP_BY_HOP]  # bytes, as they came
         return answer.status_code, headers, answer.raw_content or b""
 
     async def _settle(self, job: _Job, outcome: Outcome) -> None:
@@ -478,8 +479,9 @@ class WebSocketBridge:
         turn, continued = job.turn, outcome.previous_response_id is not None
         if outcome.refused_upgrade is not None:
             self._refused(job.scope, job.label, outcome.refused_upgrade)
-        if outcome.unverified:
-            self._refuses(job.scope, job.label, "answered a continuation without echoing its previous_response_id")
+        if outcome.unverified:  # one answer: an hour, as every verdict drawn from a turn
+            self._refuses(job.scope, job.label, "answered a continuation without echoing its previous_response_id",
+                          REPROBE_S)
         if outcome.refused_continuation is not None and not turn.stored:
             # A refusal that names the field is a verdict at once; any other, the second in a row.
             again = self._refusals.get(job.scope, 0) + 1
@@ -489,6 +491,15 @@ class WebSocketBridge:
                               f"({outcome.refused_continuation})", REPROBE_S)
         elif continued and outcome.transport == "websocket":
             self._refusals.pop(job.scope, None)
+            self._misses.pop(job.scope, None)
+        if outcome.missed_memory and not turn.stored:
+            # A cache miss is the socket's state, not a refusal (an eviction, a restart upstream): only sockets
+            # that keep no memory at all, turn after turn, are no use (each turn would cost a call for nothing).
+            misses = self._misses.get(job.scope, 0) + outcome.missed_memory
+            self._misses.put(job.scope, misses)
+            if misses >= MISSES_FOR_VERDICT:
+                self._refuses(job.scope, job.label, f"kept no socket's memory for {misses} continuations in a row",
+                              REPROBE_S)
         if outcome.closes_unused:
             self._refuses(job.scope, job.label, "closed sockets opened for a turn before their first event", REPROBE_S)
 
@@ -535,6 +546,7 @@ class WebSocketBridge:
 
     def _refused(self, scope: str, label: str, status: int) -> None:
         if 400 <= status < 500 and status not in (408, 429):
+            self.upstreams.mark("lacks_websocket", scope)  # no WebSocket mode: forward mode's policy, as without us
             self._refuses(scope, label, f"refused the WebSocket upgrade ({status})")
         else:
             self._resting.put(scope, time.monotonic() + REST_S)

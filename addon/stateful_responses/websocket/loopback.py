@@ -46,18 +46,19 @@ class Answer:
         chunk = b"%x\r\n%s\r\n" % (len(data), data)
         if not self.started:
             self.started = True
-            chunk = self._head_bytes(200, SSE_HEADERS, "transfer-encoding", "chunked") + chunk
+            chunk = self._head_bytes(200, SSE_HEADERS, b"transfer-encoding", b"chunked") + chunk
         await self._send(chunk)
 
     async def end_stream(self) -> None:
         self.complete = True
         await self._send(b"0\r\n\r\n")
 
-    async def whole(self, status: int, headers: Sequence[tuple[str, str]], body: bytes) -> None:
+    async def whole(self, status: int, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> None:
         """An answer in one piece: a JSON response, an error, an HTTP retry's answer (head and body in one
-        write: one wake-up of mitmproxy's reading side, not two)."""
+        write: one wake-up of mitmproxy's reading side, not two). Headers are bytes, as they came (a value
+        outside latin-1 passes as the upstream sent it)."""
         self.started = self.complete = True
-        await self._send(self._head_bytes(status, headers, "content-length", str(len(body))) + body)
+        await self._send(self._head_bytes(status, headers, b"content-length", b"%d" % len(body)) + body)
 
     async def json(self, status: int, body: bytes) -> None:
         await self.whole(status, JSON_HEADERS, body)
@@ -68,13 +69,13 @@ class Answer:
         self._writer.transport.abort()
 
     @staticmethod
-    def _head_bytes(status: int, headers: Sequence[tuple[str, str]], length_name: str, length: str) -> bytes:
+    def _head_bytes(status: int, headers: Sequence[tuple[bytes, bytes]], length_name: bytes, length: bytes) -> bytes:
         try:
             reason = HTTPStatus(status).phrase
         except ValueError:
             reason = "Unknown"
-        lines = [f"HTTP/1.1 {status} {reason}", *(f"{k}: {v}" for k, v in headers), f"{length_name}: {length}"]
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        lines = [f"HTTP/1.1 {status} {reason}".encode(), *(k + b": " + v for k, v in headers), length_name + b": " + length]
+        return b"\r\n".join(lines) + b"\r\n\r\n"
 
     async def _send(self, data: bytes) -> None:
         """Write and wait while mitmproxy reads behind (a slow client): memory
@@ -99,6 +100,7 @@ class Loopback:
         self._serve = serve
         self._server: asyncio.Server | None = None
         self._starting = asyncio.Lock()  # the first requests arrive together: one server
+        self._writers: set[asyncio.StreamWriter] = set()  # its open connections
         self.port = 0
 
     async def start(self) -> None:
@@ -108,20 +110,29 @@ class Loopback:
                 self.port = self._server.sockets[0].getsockname()[1]
 
     def close(self) -> None:
+        """Stop serving, and end the connections mitmproxy keeps open to it (idle keep-alives)."""
         if self._server is not None:
             self._server.close()
             self._server = None
+        for writer in list(self._writers):
+            writer.transport.abort()
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
         try:
             while (token := await _read_request(reader)) is not None:
                 answer = Answer(writer, reader)
                 await self._serve(token, answer)
                 if not answer.complete or answer.gone:
                     break
+        except asyncio.CancelledError:
+            # mitmproxy is stopping (its loop cancels what still runs): the connection ends with it, quietly.
+            # Re-raised, Python 3.11's stream callback would log the cancellation as a traceback.
+            pass
         except Exception:  # noqa: BLE001 - one broken connection must not end the server
             logger.warning("stateful-responses: the WebSocket bridge's loopback connection broke", exc_info=False)
         finally:
+            self._writers.discard(writer)
             if not writer.is_closing():
                 writer.close()
 

@@ -57,6 +57,7 @@ class Held:
     busy: bool = True
     retired: bool = False  # no new turn starts on it: closed once its turn is over
     gap: float = 0.0  # the longest wait between its conversation's turns (0: none seen yet)
+    before: tuple[float, float] = (0.0, 0.0)  # its last use and gap before the current turn took it
 
     @property
     def open(self) -> bool:
@@ -141,6 +142,7 @@ class Pool:
     @staticmethod
     def _take(held: Held, now: float, anew: bool = False) -> Held:
         """``held`` is busy from ``now``; ``anew``: with another conversation than the one it remembers."""
+        held.before = (held.used, held.gap)
         held.busy, held.used = True, now
         if anew:
             held.gap = 0.0
@@ -163,6 +165,19 @@ class Pool:
         if held.open and not held.retired and held.used - held.opened < self.rotate_after:
             return None
         return self.remove(held)
+
+    def give_back(self, held: Held) -> Any | None:
+        """A turn took ``held`` and made none on it (it went over HTTP, or its
+        flow never came): idle again as it was, its memory and that memory's
+        pace untouched. A give-back is no turn of the conversation it
+        remembers: stamped as one, a conversation that ended would look live
+        again, and keep its socket from the ones still going."""
+        used, gap = held.before
+        tip = held.tip
+        connection = self.release(held, tip)
+        if connection is None and used:
+            held.used, held.gap = used, gap
+        return connection
 
     def remove(self, held: Held) -> Any | None:
         """Take ``held`` out of the pool (a connection that failed or broke); its connection, if any."""

@@ -46,7 +46,7 @@ from .messages import (
 )
 from .pool import Held, Pool
 
-HttpAnswer = tuple[int, Sequence[tuple[str, str]], bytes]
+HttpAnswer = tuple[int, Sequence[tuple[bytes, bytes]], bytes]
 
 
 @dataclass
@@ -67,6 +67,7 @@ class Outcome:
     refused_the_field: bool = False  # ... by an error that names previous_response_id (not the socket's state)
     closes_unused: bool = False  # sockets opened for this turn, two in a row, closed before their first event
     sent_bytes: int = 0  # the messages sent over sockets for it, every attempt's
+    missed_memory: int = 0  # continuations the socket answered previous_response_not_found (a cache miss: no refusal)
 
 
 @dataclass
@@ -173,12 +174,12 @@ async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
             continue
         event = exchange.event
         assert event is not None
-        reason = f"the socket refused it ({event.error_code or event.status})"
-        if continued is not None and retried_on_a_socket(event, True) \
-                and event.error_code not in UNUSABLE_SOCKET_ERRORS:  # not the socket's age or its running turn
-            outcome.refused_continuation = event.error_code or event.status
-            outcome.refused_the_field = event.error_code not in STATE_ERRORS and event.error is not None \
-                and b"previous_response_id" in bytes(event.error)
+        reason = f"the socket refused it ({event.error_code or event.http_status})"
+        if continued is not None and retried_on_a_socket(event, True) and event.error_code in STATE_ERRORS:
+            outcome.missed_memory += event.error_code == "previous_response_not_found"
+        elif continued is not None and retried_on_a_socket(event, True) and event.http_status < 500:  # a refusal
+            outcome.refused_continuation = event.error_code or event.http_status
+            outcome.refused_the_field = event.error is not None and b"previous_response_id" in bytes(event.error)
         if attempt == 1 and retried_on_a_socket(event, continued is not None):
             outcome.retries.append(reason)
             if event.error_code in UNUSABLE_SOCKET_ERRORS:
@@ -189,10 +190,10 @@ async def relay(turn: Turn, held: Held, pool: Pool, answer: Answer) -> Outcome:
                 continued = None
             continue
         if not retried_over_http(event):
-            outcome.status, body = error_answer(event)
+            outcome.status, headers, body = error_answer(event)
             _release(pool, held, None)
             await _settle(turn, outcome)
-            await answer.json(outcome.status, body)
+            await answer.whole(outcome.status, headers, body)
             return outcome
         outcome.retries.append(reason)
         break
@@ -260,9 +261,13 @@ async def _exchange(socket: UpstreamSocket, message: bytes, previous: str | None
             if event.type == "error" and not answer.started:
                 return _Exchange("refused", event)
             if not verified and event.response is not None:
-                if echoed_previous(event.response) != previous:
+                echoed = echoed_previous(event.response)
+                if echoed is msgspec.UNSET and not event.terminal:
+                    pass  # no echo in this event (some servers give it on the terminal one only): held back still
+                elif echoed != previous:
                     return _Exchange("unverified")
-                verified = True
+                else:
+                    verified = True
             if event.type == "response.output_item.done" and event.item is not None \
                     and isinstance(event.output_index, int):
                 done_items[event.output_index] = event.item
