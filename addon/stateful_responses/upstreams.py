@@ -23,6 +23,8 @@ with every process using the store.
 
 from __future__ import annotations
 
+import json
+import re
 import struct
 from collections.abc import Mapping
 from typing import Literal
@@ -80,6 +82,23 @@ def _billed_more_than_sent(answer: Mapping, sent: bytes, items_sent: int) -> boo
             or any(marker in sent for marker in _TOKENS_WITHOUT_BYTES):
         return False
     return tokens > len(sent) + _TEMPLATE_TOKENS + _TEMPLATE_TOKENS_PER_ITEM * items_sent
+
+
+def names_store(refusal: bytes) -> bool:
+    """Whether an error answer says it is about the ``store`` field: its
+    ``param`` is ``store``, or its message or code names it (OpenAI's
+    zero-data-retention refusal: "Store must be false for this organization",
+    ``param: "store"``)."""
+    try:
+        error = json.loads(refusal).get("error")
+    except (ValueError, AttributeError):
+        return False
+    if not isinstance(error, dict):
+        return False
+    if error.get("param") == "store":
+        return True
+    said = " ".join(str(error.get(key) or "") for key in ("message", "code"))
+    return re.search(r"\bstore\b", said, re.IGNORECASE) is not None
 
 
 def _mark_key(kind: MarkKind, scope: str) -> bytes:

@@ -404,7 +404,7 @@ class ForwardMode:
         the client instead of the rejection our change caused (or, ``why``,
         an answer that cannot be trusted)."""
         assert pending.original is not None and flow.response is not None
-        rejected = flow.response.status_code
+        rejected, refusal = flow.response.status_code, flow.response.get_content(strict=False) or b""
         flow.metadata[DECISION]["retried_after"] = rejected
         if why is not None:
             flow.metadata[DECISION]["retry_reason"] = why
@@ -431,7 +431,7 @@ class ForwardMode:
         flow.marked = ":warning:"
         summary = plan_summary(pending.plan)
         if failure is None:
-            self.planner.retried(pending.plan, answer.status_code)
+            self.planner.retried(pending.plan, rejected, refusal, answer.status_code)
             self.state.flush()
             self.planner.counters.fallbacks += 1
             flow.comment = f"{summary}; {why}, retried with the original body"
