@@ -799,3 +799,20 @@ def test_a_mark_set_for_a_period_expires_after_it_and_is_written_with_it():
     now[0] += 1
     assert not upstreams.has("refuses_websocket", "scope")
     assert upstreams.mark("reads_back", "scope") and upstreams.take_writes()[0].ttl == planner.config.ttl
+
+
+def test_marks_in_memory_are_bounded_and_a_scan_never_pushes_out_those_in_use():
+    import struct
+
+    from stateful_responses.upstreams import Upstreams
+
+    upstreams = Planner().upstreams
+    for n in range(Upstreams.in_memory + 500):
+        upstreams.mark("reads_back", f"scope-{n}")
+    assert len(upstreams._expires) == Upstreams.in_memory and not upstreams.has("reads_back", "scope-0")
+    assert upstreams.has("reads_back", "scope-4500")  # in use: the most recent
+    expires = struct.pack("!d", time.time() + 3600)
+    upstreams.load({f"reads_back\x00other-{n}".encode(): expires for n in range(Upstreams.in_memory)})
+    assert upstreams.has("reads_back", "scope-4500")  # memory is full: the scan only fills free room
+    upstreams.load({b"refuses_websocket\x00scope-4500": expires})  # a scope in use learns another replica's verdict
+    assert upstreams.has("refuses_websocket", "scope-4500") and len(upstreams._expires) == Upstreams.in_memory

@@ -148,7 +148,7 @@ class Proofs:
         if now < self._looked.get(scope, float("-inf")) + LOOK_AGAIN:
             return
         self._looked.put(scope, now)
-        self.upstreams.load(await self.state.get(MARKS, self.upstreams.proof_keys(scope)))
+        self.upstreams.load(await self.state.get(MARKS, self.upstreams.proof_keys(scope)), in_use=True)
 
     async def proven(self, scope: str) -> None:
         """Until ``scope``'s running proof is over and its verdict written to
