@@ -43,6 +43,7 @@ import msgspec
 from mitmproxy import exceptions, http
 from mitmproxy.proxy import mode_specs
 
+from ..bounded import Bounded
 from ..counters import Counters
 from ..flows import (
     CLIENT_BODY,
@@ -98,6 +99,8 @@ RECORD_WAIT = 1.0  # an answer's end waits this long at most for its turn to be 
 ANSWER_WAIT = 10.0  # an answer the proxy makes itself waits this long at most to know its writes are durable
 CHANGES = frozenset({"create", "update", "delete", "add_items", "delete_item"})  # the endpoints that change something
 RENEWALS = 2  # chains renewed at once in the background
+RECOGNIZE_AGAIN = 600.0  # a host that showed it is no OpenAI-compatible API is asked again after this
+RECOGNIZE_RETRY = 30.0  # one that did not answer the question, after this
 LIST_PARAMETERS = frozenset({"limit", "order", "after", "before", "include", "include[]"})
 _RESOURCE = re.compile(r"^(?P<base>.*)/responses/(?P<id>[^/]+)(?P<items>/input_items)?/?$")
 _ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
@@ -807,6 +810,7 @@ class ConversationEmulation:
         self.emulation = emulation
         self._flows: PerFlow[_InConversation] = PerFlow()
         self._responses_to: PerFlow[str] = PerFlow()  # a Responses API request's base URL, until it is answered
+        self._recognized = Bounded(1024)  # host -> when it may be asked again whether it is an OpenAI-compatible API
 
     @property
     def mode(self) -> str:
@@ -825,7 +829,11 @@ class ConversationEmulation:
             url = urlsplit(flow.request.url)
             routed = route(flow.request.method, url.path)
             if routed is not None and self.config.settings.url_matches(flow.request.url):
-                if self._serves_responses(flow, f"{url.scheme}://{url.netloc}{routed[0]}"):
+                base = f"{url.scheme}://{url.netloc}{routed[0]}"
+                if not self._serves_responses(flow, base):
+                    await self.state.ready()  # the store's secret names the host's scope
+                    await self._recognize(flow, base)
+                if self._serves_responses(flow, base):
                     await self.state.ready()
                     await self._endpoint(flow, *routed)
             elif flow.request.method.upper() == "POST" and url.path.rstrip("/").endswith("/responses"):
@@ -840,8 +848,9 @@ class ConversationEmulation:
     def _serves_responses(self, flow: http.HTTPFlow, upstream: str) -> bool:
         """Whether ``upstream`` is a Responses API host, the only kind whose
         ``/conversations`` the proxy may answer: a configured one
-        (``stateful_base_urls``, ``stateful_upstreams``, reverse mode's) or
-        one that answered a Responses request through the proxy. In regular
+        (``stateful_base_urls``, ``stateful_upstreams``, reverse mode's), one
+        that answered a Responses request through the proxy, or one that lists
+        models as an OpenAI-compatible API does (``_recognize``). In regular
         or transparent mode any other host's ``/conversations`` (a helpdesk's
         own API) is its own, never touched."""
         settings = self.config.settings
@@ -851,6 +860,25 @@ class ConversationEmulation:
         if any(url.startswith(configured.rstrip("/") + "/") for configured in settings.upstreams):
             return True
         return self.upstreams.has("serves_responses", self.tenancy.scope(upstream, b"")[0])
+
+    async def _recognize(self, flow: http.HTTPFlow, base: str) -> None:
+        """A host not yet known as a Responses API host, asked for its
+        ``/conversations`` (openai-agents' session starts there, before any
+        ``/responses``): it is one if ``GET {base}/models`` lists models as an
+        OpenAI-compatible API does. Asked once per host; again after
+        ``RECOGNIZE_AGAIN`` when it answered otherwise (a helpdesk's own API
+        stays its own), after ``RECOGNIZE_RETRY`` when it did not answer."""
+        host, label = self.tenancy.scope(base, b"")
+        now = self.config.clock()
+        if now < self._recognized.get(host, float("-inf")):
+            return
+        self._recognized.put(host, now + RECOGNIZE_AGAIN)
+        compatible = await self.proofs.openai_compatible(flow, base)
+        self._debug("%s lists models as an OpenAI-compatible API: %s", label, compatible)
+        if compatible is None:
+            self._recognized.put(host, now + RECOGNIZE_RETRY)
+        elif compatible and self.upstreams.mark("serves_responses", host):
+            self.state.flush()
 
     def _note_served(self, flow: http.HTTPFlow) -> None:
         """A host that answered a Responses request (a response, as JSON or
