@@ -50,6 +50,8 @@ PROOF_WAIT = 2.0  # requests wait for their upstream's proof until this long aft
 PROOF_TIMEOUT = 10.0  # a proof's GET not answered within this is given up
 RETRY_AFTER = 30.0  # an unfinished proof is tried again no sooner than this after it started
 RECOGNIZE_TIMEOUT = 10.0  # a host's GET …/models, which a client's first conversations call waits for, at most
+UNKNOWN_ROUTE_PATH = "/stateful-responses-no-such-route"  # a path no API has, to see how an upstream answers one
+UNKNOWN_ROUTE = b"<route>"
 LOOK_AGAIN = 1.0  # the store is asked for another replica's proof of a scope at most this often
 _DROPPED_HEADERS = ("content-length", "content-type", "content-encoding", "transfer-encoding")
 
@@ -83,6 +85,21 @@ def lists_models(status: int, body: bytes | None) -> bool:
     return listed.get("object") == "list" and isinstance(data, list) and all(
         isinstance(model, dict) and isinstance(model.get("id"), str) and model.get("object") == "model"
         for model in data)
+
+
+def _without_route(body: bytes, method: str, path: str) -> bytes:
+    """An error body with the request's method and path (which unknown-route
+    errors name: ``Invalid URL (GET /v1/x)``) taken out."""
+    return body.replace(f"{method} {path}".encode(), UNKNOWN_ROUTE).replace(path.encode(), UNKNOWN_ROUTE)
+
+
+def same_as_unknown_route(status: int, body: bytes, method: str, path: str,
+                          unknown: tuple[int, bytes] | None) -> bool:
+    """Whether a 404 to ``method path`` is the upstream's answer to any route
+    it does not have (``unknown``, from ``Proofs.unknown_route``): evidence
+    about the route, where an API's own 404 of an id it does not hold
+    ("Conversation not found") is evidence about one id only."""
+    return unknown is not None and unknown == (status, _without_route(body, method, path))
 
 
 def reads_back(status: int, body: bytes | None) -> bool | None:
@@ -176,17 +193,31 @@ class Proofs:
             await self.state.written(task.result())
 
     async def _get(self, flow: http.HTTPFlow, upstream: str, path: str, why: str,
-                   timeout: float = PROOF_TIMEOUT) -> tuple[http.Response, str | None]:
-        """``GET {upstream}{path}`` with ``flow``'s credential, sent as
-        mitmproxy sends the client's requests."""
+                   timeout: float = PROOF_TIMEOUT, method: str = "GET") -> tuple[http.Response, str | None]:
+        """``GET {upstream}{path}`` (or another bodiless ``method``) with
+        ``flow``'s credential, sent as mitmproxy sends the client's requests."""
         request = flow.request.copy()
-        request.method = "GET"
+        request.method = method
         query = request.path.partition("?")[2]  # some gateways take keys there
         request.path = urlsplit(upstream).path + path + (f"?{query}" if query else "")
         for name in _DROPPED_HEADERS:
             request.headers.pop(name, None)
         request.content = b""
         return await self.replays.send(flow, request, why, kind="proof", timeout=timeout)
+
+    async def holds(self, flow: http.HTTPFlow, scope: str, upstream: str, response_id: str) -> bool:
+        """Whether ``upstream`` returns ``response_id`` to ``flow``'s
+        credential (a client's own id the proxy never recorded): then it reads
+        stored responses back, and ``scope`` is marked so. Any other answer is
+        about that one id (never stored there, forgotten): nothing is marked."""
+        answer, failure = await self._get(flow, upstream, f"/responses/{quote(response_id, safe='')}",
+                                          f"does the upstream hold {response_id}?")
+        if failure is not None or reads_back(answer.status_code, answer.content) is not True:
+            return False
+        self._tried.pop(scope, None)
+        self.upstreams.mark("reads_back", scope)
+        await self.state.written(self.state.flush())
+        return True
 
     async def openai_compatible(self, flow: http.HTTPFlow, base: str) -> bool | None:
         """Whether ``base`` (a base URL) is an OpenAI-compatible API, asked of
@@ -198,6 +229,19 @@ class Proofs:
         if failure is not None or answer.status_code in (408, 429) or answer.status_code >= 500:
             return None
         return lists_models(answer.status_code, answer.content)
+
+    async def unknown_route(self, flow: http.HTTPFlow, base: str) -> tuple[int, bytes] | None:
+        """What ``base`` answers ``flow``'s method on a path no API has (with
+        ``flow``'s credential): the status and the body with that path and
+        method replaced by ``UNKNOWN_ROUTE``, for ``same_as_unknown_route``;
+        None when it did not answer (a reset, no answer within
+        ``RECOGNIZE_TIMEOUT``)."""
+        path = urlsplit(base).path + UNKNOWN_ROUTE_PATH
+        answer, failure = await self._get(flow, base, UNKNOWN_ROUTE_PATH, "how does a route nobody has answer?",
+                                          RECOGNIZE_TIMEOUT, method=flow.request.method)
+        if failure is not None:
+            return None
+        return answer.status_code, _without_route(answer.content or b"", flow.request.method, path)
 
     async def _prove_storage(self, flow: http.HTTPFlow, scope: str, label: str, upstream: str,
                              response_id: str) -> asyncio.Future | None:
