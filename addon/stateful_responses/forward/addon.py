@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+import msgspec
 from mitmproxy import command, ctx, http
 from mitmproxy.utils import human
 
@@ -51,6 +52,22 @@ logger = logging.getLogger(__name__)
 # Request bodies the addon may rewrite are kept whole up to this size even when
 # mitmproxy's stream_large_bodies would stream them past every addon.
 MAX_BUFFERED_REQUEST = 64 * 1024 * 1024
+class _Stream(msgspec.Struct):
+    stream: object = None
+
+
+_STREAM = msgspec.json.Decoder(_Stream)
+
+
+def _asks_to_stream(body: bytes) -> bool:
+    """Whether a request body asks for an event stream (any doubt: it does)."""
+    try:
+        stream = _STREAM.decode(body).stream
+    except (msgspec.DecodeError, ValueError):
+        return True
+    return stream is not None and stream is not False
+
+
 _RESPONSE_PATH = re.compile(r"^(?P<base>.*)/responses/(?P<id>[^/]+)/?$")
 # flow.marked shows in mitmweb's flow list: continued, sent full, passed.
 MARKS = {"continue": ":recycle:", "full": ":arrow_right:", "pass": ":white_circle:"}
@@ -233,9 +250,11 @@ class ForwardMode:
         instead of the client's, or None to send the client's."""
         retry_of = flow.metadata.get(RETRY_OF)
         client_body = original.raw_content or b""
-        # A conversation the proxy keeps is named in each answer as it streams by: none can be held to be checked.
+        # A conversation the proxy keeps is named in each answer as it streams by: a stream cannot be held to be
+        # checked (a JSON answer can: it is named whole, once held).
+        checkable = CONVERSATION not in flow.metadata or not _asks_to_stream(original.raw_content or b"")
         plan = self.planner.plan(request_of(flow, original), rewrite=retry_of is None,
-                                 checkable=CONVERSATION not in flow.metadata, websocket_mode=bridge_runs_for(flow))
+                                 checkable=checkable, websocket_mode=bridge_runs_for(flow))
         if plan.upstream == "":
             return None  # not a Responses API request: no trace at all
         flow.metadata[DECISION] = _metadata(plan)
