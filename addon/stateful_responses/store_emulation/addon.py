@@ -1144,11 +1144,12 @@ class ConversationEmulation:
             if record.judged is not None:
                 if client is flow:
                     await self._judge(flow, record, record.judged)
-            elif not record.joined and flow.response.status_code < 300 and record.conversation is not None:
-                reader = AnswerReader(flow.response.headers.get("content-type", ""),
-                                      flow.response.headers.get("content-encoding", ""))
-                reader.feed(flow.response.raw_content or b"")  # held or buffered: read it whole
-                self._join(record, reader)
+            elif flow.response.status_code < 300 and record.conversation is not None:
+                if not record.joined:  # a retry of ours joined already: its answer is this one
+                    reader = AnswerReader(flow.response.headers.get("content-type", ""),
+                                          flow.response.headers.get("content-encoding", ""))
+                    reader.feed(flow.response.raw_content or b"")  # held or buffered: read it whole
+                    self._join(record, reader)
                 if client is flow and flow.metadata.get(HELD) and "event-stream" not in \
                         flow.response.headers.get("content-type", ""):
                     named = named_in(flow.response.get_content(strict=False) or b"", record.conversation.id)
@@ -1158,8 +1159,10 @@ class ConversationEmulation:
             pass
         except Exception:
             internal_error(self.counters, "emulating a conversation")
-        if client is not flow or not flow.metadata.get(HELD) or record.judged is not None:
-            self._flows.pop(client)  # else another addon retries it next, and its retry joins
+        # A held answer's record stays for its own hook (a retry made before it, by a checked continuation, was
+        # joined: the client's hook names it) or for another addon's retry after it, which joins.
+        if not client.metadata.get(HELD) or (client is flow and record.judged is not None):
+            self._flows.pop(client)
         if end_still_to_come(flow) or flow.metadata.get(HELD):
             await self.state.written(record.written, RECORD_WAIT)
 
