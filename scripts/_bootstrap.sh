@@ -5,6 +5,7 @@
 #   MITMPROXY a pip requirement for mitmproxy (default: mitmproxy>=11)
 #   WITH_LITELLM=1 also installs LiteLLM's proxy (scripts/install-litellm)
 #   WITH_AGENTIC_API=1 also installs vLLM's agentic-api (scripts/install-agentic-api)
+#   WITH_SMG=1 also installs SGLang's smg (scripts/install-smg)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
@@ -60,5 +61,10 @@ fi
 if [ "${WITH_AGENTIC_API:-}" = 1 ] && ! "$ROOT/scripts/install-agentic-api"; then
     [ "${CI:-}" = true ] && exit 1
     echo "agentic-api could not be installed: tests/test_agentic_api.py will be skipped" >&2
+fi
+# SGLang's Shepherd Model Gateway (smg), a stateful gateway for tests/test_smg.py (WITH_SMG=1): alike.
+if [ "${WITH_SMG:-}" = 1 ] && ! "$ROOT/scripts/install-smg"; then
+    [ "${CI:-}" = true ] && exit 1
+    echo "smg could not be installed: tests/test_smg.py will be skipped" >&2
 fi
 export PATH="$VENV/bin:$PATH"

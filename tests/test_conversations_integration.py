@@ -715,6 +715,34 @@ def test_in_regular_mode_only_a_responses_api_hosts_conversations_are_answered(e
         helpdesk.server_close()
 
 
+@pytest.mark.parametrize("upstream", WITHOUT_THE_API)
+async def test_in_regular_mode_a_session_whose_first_call_is_conversations_works(emulator, start_proxy, upstream):
+    """openai-agents' ``OpenAIConversationsSession`` through a regular proxy, its first call
+    ``conversations.create`` to a host nothing has shown to be a Responses API host yet: the host's
+    ``GET /v1/models`` shows it is an OpenAI-compatible API, so its conversations are the proxy's to keep."""
+    agents = pytest.importorskip("agents")
+    from agents.memory import OpenAIConversationsSession
+
+    emulator.model.control({"conversations": upstream})
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=auto", mode="regular")
+    agents.set_tracing_disabled(True)
+    client = openai.AsyncOpenAI(base_url=emulator.url + "/v1", api_key=KEY, max_retries=0,
+                                http_client=httpx.AsyncClient(proxy=proxy.url, trust_env=False, timeout=30))
+    agent = agents.Agent(name="assistant", instructions="terse",
+                         model=agents.OpenAIResponsesModel(model="gpt-test", openai_client=client))
+    session = OpenAIConversationsSession(openai_client=client)
+    for number, turn in enumerate(["hello", "and again", "once more"]):
+        stored_before = await items_of(client, session.session_id) if number else []
+        seen = len(log(emulator))
+        result = await agents.Runner.run(agent, turn, session=session)
+        (call_,) = log(emulator)[seen:]
+        assert call_["conversation"] is None  # the proxy's conversation: expanded, never sent upstream
+        assert meaning(call_["context"]) == meaning(stored_before + [{"role": "user", "content": turn}])
+        assert result.final_output == call_["output"][-1]["content"][0]["text"]
+    assert len(await items_of(client, session.session_id)) == 6
+    await client.close()
+
+
 @pytest.mark.parametrize("mode", ["auto", "always"])
 def test_a_deleted_conversations_items_resolve_nowhere(emulator, start_proxy, mode):
     emulator.model.control({"conversations": "absent", "stateless": "ignore"})  # Ollama: it keeps nothing

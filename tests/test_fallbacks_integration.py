@@ -79,6 +79,22 @@ def test_forced_store_refused_is_retried_and_never_forced_again(proxy, emulator)
     assert_context_preserved(conv.sent, client_visible(emulator, conv))
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_server_error_to_a_forced_store_teaches_nothing(proxy, emulator, stream):
+    """A ``store: false`` client: one 500 to the forced store, which the retry with the client's body
+    escapes, is chance, not a refusal of ``store`` (5xx, 408, 425 and 429 never are: tests/test_planner.py):
+    the next turns are continued as before it."""
+    emulator.model.control({"fail_next": [{"kind": "status", "status": 500}]})
+    conv = Conversation(proxy.url, stream=stream, options={"store": False})
+    run_turns(conv, user_turns(7))
+    conv.close()
+    records = client_visible(emulator, conv)
+    assert_context_preserved(conv.sent, records)
+    assert [r["status_code"] for r in log(emulator)][:2] == [500, 200]
+    # the first turn's retry stored nothing (the client's store: false); every request from the third on continued
+    assert len(records) == len(conv.sent) >= 9 and all(r["continued"] for r in records[2:])
+
+
 @pytest.mark.parametrize("mode", ["reject", "ignore"])
 def test_stateless_upstream_is_marked_once_and_left_alone(proxy, emulator, mode):
     emulator.model.control({"stateless": mode})

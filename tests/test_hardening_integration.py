@@ -138,3 +138,54 @@ def test_users_behind_proxyauth_sharing_one_key_never_share_response_ids(emulato
     assert log(emulator)[-1]["continued"] is True
     assert as_user("bob", history).status_code == 200
     assert log(emulator)[-1]["previous_response_id"] is None  # never alice's response id
+
+
+# Loaded after the addon: shrinks what the proxy's Upstreams holds in memory to a bound a test reaches
+# quickly, and answers GET /_marks with how many it holds.
+SMALL_MARKS = """
+from mitmproxy import ctx, http
+
+from stateful_responses.bounded import Bounded
+
+
+def upstreams():
+    return ctx.master.addons.get("forwardmode").planner.upstreams
+
+
+class SmallMarks:
+    def running(self):
+        marks = upstreams()
+        bounded = Bounded({limit})
+        bounded.update(marks._expires)
+        marks._expires = bounded
+
+    def request(self, flow):
+        if flow.request.path == "/_marks":
+            flow.response = http.Response.make(200, str(len(upstreams()._expires)))
+
+
+addons = [SmallMarks()]
+"""
+
+
+def test_what_is_learned_per_credential_is_bounded_in_memory(emulator, start_proxy, tmp_path):
+    """Rotating credentials (OAuth, Azure AD tokens) name new scopes without end: the marks memory holds
+    stay within their bound, and a credential in use keeps continuing meanwhile."""
+    script = tmp_path / "small_marks.py"
+    script.write_text(SMALL_MARKS.format(limit=32))
+    proxy = start_proxy(emulator.url, "-s", str(script))
+    kept = {"authorization": "Bearer sk-kept", "content-type": "application/json"}
+    history = [{"role": "user", "content": "the conversation that goes on"}]
+    for n in range(120):
+        rotated = {"authorization": f"Bearer sk-rotated-{n}", "content-type": "application/json"}
+        assert post(proxy.url, {"model": "gpt-test", "input": f"hello {n}"}, rotated).status_code == 200
+        if n % 20 == 0:
+            answer = post(proxy.url, {"model": "gpt-test", "input": history}, kept)
+            assert answer.status_code == 200
+            history += answer.json()["output"] + [{"role": "user", "content": f"turn {n}"}]
+    with httpx.Client(trust_env=False, timeout=30) as c:
+        held = int(c.get(proxy.url + "/_marks").text)
+    assert 0 < held <= 32
+    served = [r for r in log(emulator) if r["status_code"] == 200 and r["body_bytes"] and r.get("input_items")]
+    kept_turns = [r for r in served if r["input_items"] != 1 or r["continued"]]
+    assert kept_turns[-1]["continued"]  # the credential in use was never pushed out

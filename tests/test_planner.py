@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import time
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -81,8 +82,9 @@ def send(planner: Planner, upstream: ReferenceUpstream, key: str, items: list, o
     outcome = planner.settle(plan, status, response)
     if outcome.kind == "retry":  # what the glue does: the original body, once
         retry = planner.plan(req, rewrite=False)
+        refused, refusal = status, json.dumps(response).encode()
         status, response, context = upstream.answer(key, json.loads(req.body), output)
-        planner.retried(plan, status)
+        planner.retried(plan, refused, refusal, status)
         outcome = planner.settle(retry, status, response)
     assert status == 200
     prove(planner, upstream, key, plan, outcome)
@@ -334,18 +336,50 @@ def test_an_upstream_that_does_not_store_is_marked_per_credential():
     assert planner.plan(request(conv, "other-tenant")).action == "full"  # not switched off for everyone
 
 
+ZDR_REFUSAL = json.dumps({"error": {"message": "Store must be false for this organization due to Zero Data "
+                                     "Retention.", "type": "invalid_request_error", "param": "store",
+                                     "code": None}}).encode()
+
+
 def test_a_forced_store_counts_as_refused_only_when_the_original_then_went_through():
     planner = Planner()
     conv = [{"role": "user", "content": "x"}]
     plan = planner.plan(request(conv))
     assert planner.settle(plan, 400, None).kind == "retry"
-    planner.retried(plan, 400)  # the original failed too: the client's own error
+    planner.retried(plan, 400, ZDR_REFUSAL, 400)  # the original failed too: the client's own error
     assert planner.plan(request(conv)).forced_store
     plan = planner.plan(request(conv))
     planner.settle(plan, 400, None)
-    planner.retried(plan, 200)  # the original went through: the forced store was refused
+    planner.retried(plan, 400, ZDR_REFUSAL, 200)  # the original went through: the forced store was refused
     assert not planner.plan(request(conv)).forced_store
     assert planner.plan(request(conv, "other-tenant")).forced_store
+    planner.config.clock = lambda: time.time() + 29 * 86400  # named: the time to live
+    assert not planner.plan(request(conv)).forced_store
+
+
+@pytest.mark.parametrize("refused", [500, 502, 503, 504, 408, 425, 429])
+def test_a_transient_failure_the_retry_escaped_never_unforces_store(refused):
+    """A 5xx, 408, 425 or 429 to the forced body says nothing about ``store``: a
+    retry that went through is chance, not a refusal of the field."""
+    planner = Planner()
+    conv = [{"role": "user", "content": "x"}]
+    plan = planner.plan(request(conv, store=False))
+    planner.settle(plan, refused, None)
+    planner.retried(plan, refused, b'{"error": {"message": "Store is temporarily unavailable"}}', 200)
+    assert planner.plan(request(conv, store=False)).forced_store
+
+
+def test_a_refusal_that_does_not_name_store_unforces_it_for_an_hour():
+    planner = Planner()
+    now = time.time()
+    planner.config.clock = lambda: now
+    conv = [{"role": "user", "content": "x"}]
+    plan = planner.plan(request(conv, store=False))
+    planner.settle(plan, 400, None)
+    planner.retried(plan, 400, b'{"error": {"message": "Bad request", "param": null}}', 200)
+    assert not planner.plan(request(conv, store=False)).forced_store
+    planner.config.clock = lambda: now + 3601
+    assert planner.plan(request(conv, store=False)).forced_store
 
 
 def test_no_store_is_forced_where_the_upstreams_websocket_mode_may_serve_the_deltas():
@@ -775,3 +809,20 @@ def test_a_mark_set_for_a_period_expires_after_it_and_is_written_with_it():
     now[0] += 1
     assert not upstreams.has("refuses_websocket", "scope")
     assert upstreams.mark("reads_back", "scope") and upstreams.take_writes()[0].ttl == planner.config.ttl
+
+
+def test_marks_in_memory_are_bounded_and_a_scan_never_pushes_out_those_in_use():
+    import struct
+
+    from stateful_responses.upstreams import Upstreams
+
+    upstreams = Planner().upstreams
+    for n in range(Upstreams.in_memory + 500):
+        upstreams.mark("reads_back", f"scope-{n}")
+    assert len(upstreams._expires) == Upstreams.in_memory and not upstreams.has("reads_back", "scope-0")
+    assert upstreams.has("reads_back", "scope-4500")  # in use: the most recent
+    expires = struct.pack("!d", time.time() + 3600)
+    upstreams.load({f"reads_back\x00other-{n}".encode(): expires for n in range(Upstreams.in_memory)})
+    assert upstreams.has("reads_back", "scope-4500")  # memory is full: the scan only fills free room
+    upstreams.load({b"refuses_websocket\x00scope-4500": expires})  # a scope in use learns another replica's verdict
+    assert upstreams.has("refuses_websocket", "scope-4500") and len(upstreams._expires) == Upstreams.in_memory

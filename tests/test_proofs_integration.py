@@ -177,11 +177,14 @@ def test_always_mode_sends_full_history_again_where_the_checked_continuation_did
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-def test_always_mode_never_sends_a_conversation_the_proxy_keeps_as_a_continuation_to_check(emulator, start_proxy,
-                                                                                          stream):
-    """Its answers name the conversation as they stream by: none can be held.
-    Full history goes until the upstream has shown elsewhere that it honours
-    the field."""
+def test_always_mode_checks_a_conversation_the_proxy_keeps_only_where_its_answer_can_be_held(emulator, start_proxy,
+                                                                                           stream):
+    """A stream's answers name the conversation as they stream by: none can be
+    held, and full history goes until the upstream has shown elsewhere that it
+    honours the field. A JSON answer is named once held: its continuation is
+    checked as any other, and where the check fails (an upstream that ignores
+    the field unseen) the conversation goes whole again, its answer the one
+    the client gets, named and joined."""
     from test_conversations_integration import converse, sdk
 
     emulator.model.control({"conversations": "absent", **IGNORES_UNSEEN})
@@ -192,5 +195,9 @@ def test_always_mode_never_sends_a_conversation_the_proxy_keeps_as_a_continuatio
     # the answer, named in it
     assert converse(client, emulator, conversation.id, TEXTS[:4], stream) == 4
     client.close()
-    assert sent_previous(creates(emulator)) == [False] * 4
-    assert "a continuation to check, of an answer that cannot be held" in proxy.output()
+    if stream:
+        assert sent_previous(creates(emulator)) == [False] * 4
+        assert "a continuation to check, of an answer that cannot be held" in proxy.output()
+    else:  # the second one checked, refused, resent whole; full history from then on
+        assert sent_previous(creates(emulator)) == [False, True, False, False, False]
+        assert "sending full history to it from now on" in proxy.output()

@@ -17,6 +17,10 @@ replicas and restarts reuse it; a proof that could not finish (a 5xx, a reset,
 no answer within ``PROOF_TIMEOUT``) leaves the upstream unproven, full history
 goes out, and a later stored answer tries again (``RETRY_AFTER`` after it).
 
+And where a host in regular or transparent mode is asked for ``/conversations``
+before anything showed it is an OpenAI-compatible API (openai-agents'
+session starts there), ``GET …/models`` tells: such an API lists its models.
+
 An echo the listing cannot settle (the upstream has no listing, or it failed)
 leaves a doubt no later answer can lift: that upstream + credential is taken
 to ignore the field, and full history goes to it from then on.
@@ -45,6 +49,9 @@ logger = logging.getLogger(__name__)
 PROOF_WAIT = 2.0  # requests wait for their upstream's proof until this long after it started, at most
 PROOF_TIMEOUT = 10.0  # a proof's GET not answered within this is given up
 RETRY_AFTER = 30.0  # an unfinished proof is tried again no sooner than this after it started
+RECOGNIZE_TIMEOUT = 10.0  # a host's GET …/models, which a client's first conversations call waits for, at most
+UNKNOWN_ROUTE_PATH = "/stateful-responses-no-such-route"  # a path no API has, to see how an upstream answers one
+UNKNOWN_ROUTE = b"<route>"
 LOOK_AGAIN = 1.0  # the store is asked for another replica's proof of a scope at most this often
 _DROPPED_HEADERS = ("content-length", "content-type", "content-encoding", "transfer-encoding")
 
@@ -66,6 +73,33 @@ def read_the_chain(status: int, body: bytes | None, items_sent: int) -> bool | N
     if not isinstance(listed.get("data"), list):
         return None
     return len(listed["data"]) > items_sent or listed.get("has_more") is True
+
+
+def lists_models(status: int, body: bytes | None) -> bool:
+    """Whether an answer to ``GET …/models`` is an OpenAI-compatible API's
+    list of models (OpenAI, vLLM, Ollama, llama.cpp, LiteLLM and smg all
+    answer one): ``object: list`` and ``data`` a list of objects with an
+    ``id``, each ``object: model``."""
+    listed = _json_object(body) if status < 300 else {}
+    data = listed.get("data")
+    return listed.get("object") == "list" and isinstance(data, list) and all(
+        isinstance(model, dict) and isinstance(model.get("id"), str) and model.get("object") == "model"
+        for model in data)
+
+
+def _without_route(body: bytes, method: str, path: str) -> bytes:
+    """An error body with the request's method and path (which unknown-route
+    errors name: ``Invalid URL (GET /v1/x)``) taken out."""
+    return body.replace(f"{method} {path}".encode(), UNKNOWN_ROUTE).replace(path.encode(), UNKNOWN_ROUTE)
+
+
+def same_as_unknown_route(status: int, body: bytes, method: str, path: str,
+                          unknown: tuple[int, bytes] | None) -> bool:
+    """Whether a 404 to ``method path`` is the upstream's answer to any route
+    it does not have (``unknown``, from ``Proofs.unknown_route``): evidence
+    about the route, where an API's own 404 of an id it does not hold
+    ("Conversation not found") is evidence about one id only."""
+    return unknown is not None and unknown == (status, _without_route(body, method, path))
 
 
 def reads_back(status: int, body: bytes | None) -> bool | None:
@@ -148,7 +182,7 @@ class Proofs:
         if now < self._looked.get(scope, float("-inf")) + LOOK_AGAIN:
             return
         self._looked.put(scope, now)
-        self.upstreams.load(await self.state.get(MARKS, self.upstreams.proof_keys(scope)))
+        self.upstreams.load(await self.state.get(MARKS, self.upstreams.proof_keys(scope)), in_use=True)
 
     async def proven(self, scope: str) -> None:
         """Until ``scope``'s running proof is over and its verdict written to
@@ -158,17 +192,56 @@ class Proofs:
         if task is not None and task.done() and not task.cancelled():
             await self.state.written(task.result())
 
-    async def _get(self, flow: http.HTTPFlow, upstream: str, path: str, why: str) -> tuple[http.Response, str | None]:
-        """``GET {upstream}{path}`` with ``flow``'s credential, sent as
-        mitmproxy sends the client's requests."""
+    async def _get(self, flow: http.HTTPFlow, upstream: str, path: str, why: str,
+                   timeout: float = PROOF_TIMEOUT, method: str = "GET") -> tuple[http.Response, str | None]:
+        """``GET {upstream}{path}`` (or another bodiless ``method``) with
+        ``flow``'s credential, sent as mitmproxy sends the client's requests."""
         request = flow.request.copy()
-        request.method = "GET"
+        request.method = method
         query = request.path.partition("?")[2]  # some gateways take keys there
         request.path = urlsplit(upstream).path + path + (f"?{query}" if query else "")
         for name in _DROPPED_HEADERS:
             request.headers.pop(name, None)
         request.content = b""
-        return await self.replays.send(flow, request, why, kind="proof", timeout=PROOF_TIMEOUT)
+        return await self.replays.send(flow, request, why, kind="proof", timeout=timeout)
+
+    async def holds(self, flow: http.HTTPFlow, scope: str, upstream: str, response_id: str) -> bool:
+        """Whether ``upstream`` returns ``response_id`` to ``flow``'s
+        credential (a client's own id the proxy never recorded): then it reads
+        stored responses back, and ``scope`` is marked so. Any other answer is
+        about that one id (never stored there, forgotten): nothing is marked."""
+        answer, failure = await self._get(flow, upstream, f"/responses/{quote(response_id, safe='')}",
+                                          f"does the upstream hold {response_id}?")
+        if failure is not None or reads_back(answer.status_code, answer.content) is not True:
+            return False
+        self._tried.pop(scope, None)
+        self.upstreams.mark("reads_back", scope)
+        await self.state.written(self.state.flush())
+        return True
+
+    async def openai_compatible(self, flow: http.HTTPFlow, base: str) -> bool | None:
+        """Whether ``base`` (a base URL) is an OpenAI-compatible API, asked of
+        it with ``flow``'s credential: True when it lists models as one does,
+        False when it answers otherwise, None when it did not answer (a 5xx,
+        a 408 or 429, a reset, no answer within ``RECOGNIZE_TIMEOUT``)."""
+        answer, failure = await self._get(flow, base, "/models", "is this an OpenAI-compatible API?",
+                                          RECOGNIZE_TIMEOUT)
+        if failure is not None or answer.status_code in (408, 429) or answer.status_code >= 500:
+            return None
+        return lists_models(answer.status_code, answer.content)
+
+    async def unknown_route(self, flow: http.HTTPFlow, base: str) -> tuple[int, bytes] | None:
+        """What ``base`` answers ``flow``'s method on a path no API has (with
+        ``flow``'s credential): the status and the body with that path and
+        method replaced by ``UNKNOWN_ROUTE``, for ``same_as_unknown_route``;
+        None when it did not answer (a reset, no answer within
+        ``RECOGNIZE_TIMEOUT``)."""
+        path = urlsplit(base).path + UNKNOWN_ROUTE_PATH
+        answer, failure = await self._get(flow, base, UNKNOWN_ROUTE_PATH, "how does a route nobody has answer?",
+                                          RECOGNIZE_TIMEOUT, method=flow.request.method)
+        if failure is not None:
+            return None
+        return answer.status_code, _without_route(answer.content or b"", flow.request.method, path)
 
     async def _prove_storage(self, flow: http.HTTPFlow, scope: str, label: str, upstream: str,
                              response_id: str) -> asyncio.Future | None:

@@ -28,10 +28,13 @@ with every process using the store.
 
 from __future__ import annotations
 
+import json
+import re
 import struct
 from collections.abc import Mapping
 from typing import Literal
 
+from .bounded import Bounded
 from .settings import Config
 from .state.outbox import Outbox, Write
 from .tenancy import Tenancy
@@ -88,6 +91,23 @@ def _billed_more_than_sent(answer: Mapping, sent: bytes, items_sent: int) -> boo
     return tokens > len(sent) + _TEMPLATE_TOKENS + _TEMPLATE_TOKENS_PER_ITEM * items_sent
 
 
+def names_store(refusal: bytes) -> bool:
+    """Whether an error answer says it is about the ``store`` field: its
+    ``param`` is ``store``, or its message or code names it (OpenAI's
+    zero-data-retention refusal: "Store must be false for this organization",
+    ``param: "store"``)."""
+    try:
+        error = json.loads(refusal).get("error")
+    except (ValueError, AttributeError):
+        return False
+    if not isinstance(error, dict):
+        return False
+    if error.get("param") == "store":
+        return True
+    said = " ".join(str(error.get(key) or "") for key in ("message", "code"))
+    return re.search(r"\bstore\b", said, re.IGNORECASE) is not None
+
+
 def _mark_key(kind: MarkKind, scope: str) -> bytes:
     return f"{kind}\x00{scope}".encode()
 
@@ -95,16 +115,25 @@ def _mark_key(kind: MarkKind, scope: str) -> bytes:
 class Upstreams:
     tables = {MARKS: 10_000}
     spread = frozenset(tables)  # keyed by kind and scope: the store's bounds weigh the table whole
+    # Marks held in memory, least recently used out first (about a thousand credentials' worth, as the scopes
+    # ``Tenancy`` keeps): rotating tokens name new scopes without end. One pushed out is still in the store:
+    # the proofs read a scope's there on demand, and the periodic scan brings back what fits.
+    in_memory = 4096
 
     def __init__(self, config: Config, tenancy: Tenancy) -> None:
         self.config = config
-        self._expires: dict[tuple[str, str], float] = {}
+        self._expires = Bounded(self.in_memory)  # (kind, scope) -> when it expires
         self._outbox = Outbox()
         tenancy.on_new_secret(self._expires.clear)  # scopes are named anew: the marks are unreachable
 
     def has(self, kind: MarkKind, scope: str) -> bool:
-        expires = self._expires.get((kind, scope))
-        return expires is not None and expires > self.config.clock()
+        expires = self._expires.hit((kind, scope))
+        if expires is None:
+            return False
+        if expires <= self.config.clock():
+            del self._expires[(kind, scope)]
+            return False
+        return True
 
     def mark(self, kind: MarkKind, scope: str, period: float | None = None) -> bool:
         """Set a mark for ``period`` seconds (the time to live of everything
@@ -113,17 +142,32 @@ class Upstreams:
             return False
         ttl = min(period, self.config.ttl) if period is not None else self.config.ttl
         expires = self.config.clock() + ttl
-        self._expires[(kind, scope)] = expires
+        self._expires.put((kind, scope), expires)
         self._outbox.append(Write(MARKS, _mark_key(kind, scope), struct.pack("!d", expires), ttl))
         return True
 
-    def load(self, records: Mapping[bytes, bytes]) -> None:
-        """Take in the marks other processes set (a scan of the store)."""
+    def load(self, records: Mapping[bytes, bytes], *, in_use: bool = False) -> None:
+        """Take in the marks other processes set (a scan of the store; with
+        ``in_use``, the marks of a scope a request asks about). A mark of a
+        scope in use here (asked about, or one memory holds a mark of) counts
+        as used; any other only fills room that is free, so that a scan of a
+        store larger than memory never pushes out marks in use for marks
+        nobody here asked about."""
+        now = self.config.clock()
+        used = {scope for _, scope in self._expires}
         for key, value in records.items():
             kind, _, scope = key.decode(errors="replace").partition("\x00")
-            if kind in MARK_KINDS and len(value) == 8:
-                expires = struct.unpack("!d", value)[0]
-                self._expires[(kind, scope)] = max(expires, self._expires.get((kind, scope), 0.0))
+            if kind not in MARK_KINDS or len(value) != 8:
+                continue
+            expires = struct.unpack("!d", value)[0]
+            known = self._expires.get((kind, scope))
+            if expires <= now or (known is not None and known >= expires):
+                continue
+            if in_use or known is not None or scope in used:
+                self._expires.put((kind, scope), expires)
+            elif len(self._expires) < self._expires.limit:
+                self._expires[(kind, scope)] = expires
+                self._expires.move_to_end((kind, scope), last=False)
 
     def continuable(self, scope: str) -> bool:
         """Whether a ``previous_response_id`` may be sent to this upstream +

@@ -26,10 +26,13 @@ from ..request_reader import Reader, Reading, Request, Skip, splice
 from ..settings import Config, Settings
 from ..state.outbox import Outbox, Write
 from ..tenancy import Tenancy
-from ..upstreams import TRANSIENT_STATUSES, UNAVAILABLE_STATUSES, Upstreams, echo_verdict
+from ..upstreams import TRANSIENT_STATUSES, UNAVAILABLE_STATUSES, Upstreams, echo_verdict, names_store
 from .prefixes import ENTRIES, REFS, Match, PrefixStore, StoredEntry, encode_entry
 
 Action = Literal["pass", "full", "continue"]
+# How long a 4xx to a forced store that does not say it is about ``store`` keeps store unforced (then one
+# forced store is tried again: one more refusal, retried invisibly, if it still holds).
+UNNAMED_STORE_REFUSAL_S = 3600.0
 
 
 @dataclass
@@ -494,14 +497,21 @@ class Planner:
             self.store.forget(digest)
             self._outbox.append(Write(ENTRIES, digest, None))
 
-    def retried(self, plan: Plan, status_code: int) -> None:
-        """Our retry with the client's original body got ``status_code``. If
-        the only change had been a forced store and the original went through,
-        the forced store was what the upstream refused (a zero-data-retention
-        organization): never force it there again. If the original failed too,
-        the refusal was the request's own and proves nothing."""
-        if plan.action == "full" and plan.forced_store and status_code < 400:
-            self.upstreams.mark("no_forced_store", plan.scope)
+    def retried(self, plan: Plan, refused: int, refusal: bytes, status_code: int) -> None:
+        """Our retry with the client's original body got ``status_code``, after
+        the upstream answered ``refused`` (its body: ``refusal``) to ours. If
+        the only change had been a forced store, the original went through and
+        the refusal can be about the request (a 4xx that says neither "not
+        now" nor "unavailable"), the forced store was what the upstream refused
+        (a zero-data-retention organization): never force it there again, for
+        the time to live when the refusal names ``store`` (as the ZDR error
+        does), for an hour otherwise. A 5xx, 408, 425 or 429 that the retry
+        escaped was chance, and a chance teaches nothing; if the original
+        failed too, the refusal was the request's own and proves nothing."""
+        if plan.action == "full" and plan.forced_store and status_code < 400 \
+                and 400 <= refused < 500 and refused not in TRANSIENT_STATUSES:
+            period = None if names_store(refusal) else UNNAMED_STORE_REFUSAL_S
+            self.upstreams.mark("no_forced_store", plan.scope, period)
 
     def _mark_unsupported(self, scope: str) -> None:
         if self.upstreams.mark("unsupported", scope):

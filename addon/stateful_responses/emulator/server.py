@@ -8,6 +8,7 @@ for tests and the demo.
   ``GET    /v1/responses/{id}/input_items``    list the items it was generated from
   ``POST   /v1/responses/{id}/cancel``         cancel a background response
   ``GET    /v1/responses`` + ``Upgrade: websocket``  WebSocket mode (websocket.py)
+  ``GET    /v1/models``                        the models it lists (any model is answered)
 
   ``POST   /v1/conversations``                 OpenAI's Conversations API (openai_conversations.py):
   ``GET``, ``POST``, ``DELETE /v1/conversations/{id}``, ``POST``, ``GET /v1/conversations/{id}/items``,
@@ -70,6 +71,10 @@ OPENAI_CONVERSATIONS_ENDPOINTS = {
     ("DELETE", "conversation"): "delete", ("POST", "items"): "add_items", ("GET", "items"): "list_items",
     ("GET", "item"): "retrieve_item", ("DELETE", "item"): "delete_item",
 }
+MODELS_ROUTE = re.compile(r"^(?:/v1)?/models/?$")
+# What ``GET /v1/models`` lists, as every OpenAI-compatible server lists its models (the emulator answers any).
+MODELS = {"object": "list", "data": [{"id": "gpt-test", "object": "model", "created": 1700000000,
+                                      "owned_by": "emulator"}]}
 HTML_PAGE = b"<html><body>502 Bad Gateway</body></html>"
 BACKGROUND_POLL_S = 0.01  # how often a streamed background response looks for progress
 PACED_READ_INTERVAL_S = 0.02  # a paced body is read in chunks of this many seconds' worth
@@ -214,6 +219,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(200, self.model.snapshot_log())
             return
         if self._openai_conversations("GET", body):
+            return
+        if MODELS_ROUTE.match(urlsplit(self.path).path):
+            self._send_json(200, MODELS)
             return
         try:
             route = self._route("GET", "response", "input_items")

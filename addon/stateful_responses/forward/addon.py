@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+import msgspec
 from mitmproxy import command, ctx, http
 from mitmproxy.utils import human
 
@@ -52,6 +53,22 @@ logger = logging.getLogger(__name__)
 # Request bodies the addon may rewrite are kept whole up to this size even when
 # mitmproxy's stream_large_bodies would stream them past every addon.
 MAX_BUFFERED_REQUEST = 64 * 1024 * 1024
+class _Stream(msgspec.Struct):
+    stream: object = None
+
+
+_STREAM = msgspec.json.Decoder(_Stream)
+
+
+def _asks_to_stream(body: bytes) -> bool:
+    """Whether a request body asks for an event stream (any doubt: it does)."""
+    try:
+        stream = _STREAM.decode(body).stream
+    except (msgspec.DecodeError, ValueError):
+        return True
+    return stream is not None and stream is not False
+
+
 _RESPONSE_PATH = re.compile(r"^(?P<base>.*)/responses/(?P<id>[^/]+)/?$")
 # flow.marked shows in mitmweb's flow list: continued, sent full, passed.
 MARKS = {"continue": ":recycle:", "full": ":arrow_right:", "pass": ":white_circle:"}
@@ -234,9 +251,11 @@ class ForwardMode:
         instead of the client's, or None to send the client's."""
         retry_of = flow.metadata.get(RETRY_OF)
         client_body = original.raw_content or b""
-        # A conversation the proxy keeps is named in each answer as it streams by: none can be held to be checked.
+        # A conversation the proxy keeps is named in each answer as it streams by: a stream cannot be held to be
+        # checked (a JSON answer can: it is named whole, once held).
+        checkable = CONVERSATION not in flow.metadata or not _asks_to_stream(original.raw_content or b"")
         plan = self.planner.plan(request_of(flow, original), rewrite=retry_of is None,
-                                 checkable=CONVERSATION not in flow.metadata, websocket_mode=bridge_runs_for(flow),
+                                 checkable=checkable, websocket_mode=bridge_runs_for(flow),
                                  keep_store_false=SOCKET_TURN in flow.metadata)
         if plan.upstream == "":
             return None  # not a Responses API request: no trace at all
@@ -406,7 +425,7 @@ class ForwardMode:
         the client instead of the rejection our change caused (or, ``why``,
         an answer that cannot be trusted)."""
         assert pending.original is not None and flow.response is not None
-        rejected = flow.response.status_code
+        rejected, refusal = flow.response.status_code, flow.response.get_content(strict=False) or b""
         flow.metadata[DECISION]["retried_after"] = rejected
         if why is not None:
             flow.metadata[DECISION]["retry_reason"] = why
@@ -433,7 +452,7 @@ class ForwardMode:
         flow.marked = ":warning:"
         summary = plan_summary(pending.plan)
         if failure is None:
-            self.planner.retried(pending.plan, answer.status_code)
+            self.planner.retried(pending.plan, rejected, refusal, answer.status_code)
             self.state.flush()
             self.planner.counters.fallbacks += 1
             flow.comment = f"{summary}; {why}, retried with the original body"

@@ -43,6 +43,7 @@ import msgspec
 from mitmproxy import exceptions, http
 from mitmproxy.proxy import mode_specs
 
+from ..bounded import Bounded
 from ..counters import Counters
 from ..items import without_triggers
 from ..flows import (
@@ -63,7 +64,7 @@ from ..flows import (
     keep_end_for_hooks,
     request_of,
 )
-from ..proofs import Proofs
+from ..proofs import Proofs, same_as_unknown_route
 from ..request_reader import Reader, Reading, Skip, splice, upstream_of
 from ..replays import Replays
 from ..settings import Config
@@ -100,6 +101,11 @@ RECORD_WAIT = 1.0  # an answer's end waits this long at most for its turn to be 
 ANSWER_WAIT = 10.0  # an answer the proxy makes itself waits this long at most to know its writes are durable
 CHANGES = frozenset({"create", "update", "delete", "add_items", "delete_item"})  # the endpoints that change something
 RENEWALS = 2  # chains renewed at once in the background
+# An upstream that has not shown it honours previous_response_id and refused one by its id (forgotten, or
+# never stored) gets chains expanded this long, not the time to live: the next turn would be refused alike.
+FORGOTTEN_ID_PERIOD = 3600.0
+RECOGNIZE_AGAIN = 600.0  # a host that showed it is no OpenAI-compatible API is asked again after this
+RECOGNIZE_RETRY = 30.0  # one that did not answer the question, after this
 LIST_PARAMETERS = frozenset({"limit", "order", "after", "before", "include", "include[]"})
 _RESOURCE = re.compile(r"^(?P<base>.*)/responses/(?P<id>[^/]+)(?P<items>/input_items)?/?$")
 _ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
@@ -152,6 +158,15 @@ def _names_the_refusal(body: bytes, response_id: str) -> bool:
     (OpenAI's previous_response_not_found, vLLM's 404, "not supported")."""
     text = body.decode("utf-8", "replace").lower()
     return "previous_response" in text or "previous response" in text or response_id.lower() in text
+
+
+def _forgot_the_id(body: bytes, response_id: str) -> bool:
+    """A refusal about that one id, not the field: OpenAI's and smg's
+    ``previous_response_not_found``, or an error naming the id (vLLM's
+    "Response with id … not found."). The upstream restarted or expired it: a
+    fact about the id, which says nothing about whether the upstream honours
+    the field ("does not support 'previous_response_id'" does)."""
+    return b"previous_response_not_found" in body or response_id.encode() in body
 
 
 def tenant_of(tenancy: Tenancy, credential: bytes) -> Tenant:
@@ -251,8 +266,8 @@ class StoreEmulation:
             return  # the record is out of reach: the request goes as the client sent it
         except ChainError as e:
             unknown_here = e.code == "previous_response_not_found" and e.previous_response_id is None
-            if self.mode == "always" and not (unknown_here and self.upstreams.continuable(record.scope)
-                                              and not await self._deleted_here(record)):
+            if self.mode == "always" and not (unknown_here and not await self._deleted_here(record)
+                                              and await self._upstream_holds(flow, record)):
                 flow.response = _json_response(400, e.body)
                 flow.comment = f"emulated: {e.code} for {previous}"
                 flow.metadata[EMULATION] = {"previous_response_id": previous, "error": e.code}
@@ -262,6 +277,19 @@ class StoreEmulation:
         flow.comment = f"emulated: {previous} expanded"
         flow.request.content = record.expanded
         self._debug("expanded %s", previous)
+
+    async def _upstream_holds(self, flow: http.HTTPFlow, record: _Flow) -> bool:
+        """In always mode, an id the record does not know: whether the
+        upstream can continue from it. Where the upstream + credential has not
+        proved it reads stored responses back yet, one ``GET`` of that very id
+        settles it (and proves it)."""
+        if self.upstreams.continuable(record.scope):
+            return True
+        if self.upstreams.cannot_continue(record.scope) or record.moved:
+            return False
+        assert record.previous_response_id is not None
+        return await self.proofs.holds(flow, record.scope, record.upstream, record.previous_response_id) \
+            and self.upstreams.continuable(record.scope)
 
     async def _upstream_cannot_have(self, record: _Flow) -> bool:
         """In auto mode: whether the upstream cannot continue from the client's
@@ -656,9 +684,13 @@ class StoreEmulation:
         except (ChainError, StorageError):
             return  # not in the record: the refusal is the client's own answer
         refused = flow.response.status_code
-        if self.upstreams.mark("refuses_previous", record.scope):
+        forgot = _forgot_the_id(flow.response.get_content(strict=False) or b"", record.previous_response_id)
+        if forgot and self.upstreams.has("honours_previous", record.scope):
+            self._debug("%s forgot %s (%d): expanded once", reading.label, record.previous_response_id, refused)
+        elif self.upstreams.mark("refuses_previous", record.scope, FORGOTTEN_ID_PERIOD if forgot else None):
             logger.info("stateful-responses: %s refused a previous_response_id the record holds (%d); "
-                        "expanding chains for it from now on", reading.label, refused)
+                        "expanding chains for it from now on%s", reading.label, refused,
+                        " (for an hour: it may have forgotten that one id)" if forgot else "")
         record.written = self.state.flush()
         retry = record.client.copy()
         retry.content = record.expanded
@@ -852,6 +884,7 @@ class ConversationEmulation:
         self.emulation = emulation
         self._flows: PerFlow[_InConversation] = PerFlow()
         self._responses_to: PerFlow[str] = PerFlow()  # a Responses API request's base URL, until it is answered
+        self._recognized = Bounded(1024)  # host -> when it may be asked again whether it is an OpenAI-compatible API
 
     @property
     def mode(self) -> str:
@@ -870,7 +903,11 @@ class ConversationEmulation:
             url = urlsplit(flow.request.url)
             routed = route(flow.request.method, url.path)
             if routed is not None and self.config.settings.url_matches(flow.request.url):
-                if self._serves_responses(flow, f"{url.scheme}://{url.netloc}{routed[0]}"):
+                base = f"{url.scheme}://{url.netloc}{routed[0]}"
+                if not self._serves_responses(flow, base):
+                    await self.state.ready()  # the store's secret names the host's scope
+                    await self._recognize(flow, base)
+                if self._serves_responses(flow, base):
                     await self.state.ready()
                     await self._endpoint(flow, *routed)
             elif flow.request.method.upper() == "POST" and url.path.rstrip("/").endswith("/responses"):
@@ -885,8 +922,9 @@ class ConversationEmulation:
     def _serves_responses(self, flow: http.HTTPFlow, upstream: str) -> bool:
         """Whether ``upstream`` is a Responses API host, the only kind whose
         ``/conversations`` the proxy may answer: a configured one
-        (``stateful_base_urls``, ``stateful_upstreams``, reverse mode's) or
-        one that answered a Responses request through the proxy. In regular
+        (``stateful_base_urls``, ``stateful_upstreams``, reverse mode's), one
+        that answered a Responses request through the proxy, or one that lists
+        models as an OpenAI-compatible API does (``_recognize``). In regular
         or transparent mode any other host's ``/conversations`` (a helpdesk's
         own API) is its own, never touched."""
         settings = self.config.settings
@@ -896,6 +934,25 @@ class ConversationEmulation:
         if any(url.startswith(configured.rstrip("/") + "/") for configured in settings.upstreams):
             return True
         return self.upstreams.has("serves_responses", self.tenancy.scope(upstream, b"")[0])
+
+    async def _recognize(self, flow: http.HTTPFlow, base: str) -> None:
+        """A host not yet known as a Responses API host, asked for its
+        ``/conversations`` (openai-agents' session starts there, before any
+        ``/responses``): it is one if ``GET {base}/models`` lists models as an
+        OpenAI-compatible API does. Asked once per host; again after
+        ``RECOGNIZE_AGAIN`` when it answered otherwise (a helpdesk's own API
+        stays its own), after ``RECOGNIZE_RETRY`` when it did not answer."""
+        host, label = self.tenancy.scope(base, b"")
+        now = self.config.clock()
+        if now < self._recognized.get(host, float("-inf")):
+            return
+        self._recognized.put(host, now + RECOGNIZE_AGAIN)
+        compatible = await self.proofs.openai_compatible(flow, base)
+        self._debug("%s lists models as an OpenAI-compatible API: %s", label, compatible)
+        if compatible is None:
+            self._recognized.put(host, now + RECOGNIZE_RETRY)
+        elif compatible and self.upstreams.mark("serves_responses", host):
+            self.state.flush()
 
     def _note_served(self, flow: http.HTTPFlow) -> None:
         """A host that answered a Responses request (a response, as JSON or
@@ -1132,11 +1189,12 @@ class ConversationEmulation:
             if record.judged is not None:
                 if client is flow:
                     await self._judge(flow, record, record.judged)
-            elif not record.joined and flow.response.status_code < 300 and record.conversation is not None:
-                reader = AnswerReader(flow.response.headers.get("content-type", ""),
-                                      flow.response.headers.get("content-encoding", ""))
-                reader.feed(flow.response.raw_content or b"")  # held or buffered: read it whole
-                self._join(record, reader)
+            elif flow.response.status_code < 300 and record.conversation is not None:
+                if not record.joined:  # a retry of ours joined already: its answer is this one
+                    reader = AnswerReader(flow.response.headers.get("content-type", ""),
+                                          flow.response.headers.get("content-encoding", ""))
+                    reader.feed(flow.response.raw_content or b"")  # held or buffered: read it whole
+                    self._join(record, reader)
                 if client is flow and flow.metadata.get(HELD) and "event-stream" not in \
                         flow.response.headers.get("content-type", ""):
                     named = named_in(flow.response.get_content(strict=False) or b"", record.conversation.id)
@@ -1146,8 +1204,10 @@ class ConversationEmulation:
             pass
         except Exception:
             internal_error(self.counters, "emulating a conversation")
-        if client is not flow or not flow.metadata.get(HELD) or record.judged is not None:
-            self._flows.pop(client)  # else another addon retries it next, and its retry joins
+        # A held answer's record stays for its own hook (a retry made before it, by a checked continuation, was
+        # joined: the client's hook names it) or for another addon's retry after it, which joins.
+        if not client.metadata.get(HELD) or (client is flow and record.judged is not None):
+            self._flows.pop(client)
         if end_still_to_come(flow) or flow.metadata.get(HELD):
             await self.state.written(record.written, RECORD_WAIT)
 
@@ -1191,6 +1251,18 @@ class ConversationEmulation:
             has = True  # the API's own not found, of the conversation or of an item
         elif status == 400 and b'"conversation_locked"' in body:
             has = True  # the API's own: another response is being made in the conversation
+        elif status == 404 and call.endpoint == "response":
+            has = True  # a conversation looked up and not found (smg's "No conversation found with id …")
+        elif status == 404 and call.endpoint != "create":
+            # About one id, or about the route? Only the route says the upstream lacks the API: its 404 must be
+            # the one it answers for a path no API has, and an API's own not found (smg's "Conversation not
+            # found", "Item not found in this conversation") is not.
+            path = urlsplit(flow.request.url).path
+            routed = route(flow.request.method, path)
+            unknown = await self.proofs.unknown_route(flow, routed[0]) if routed is not None else None
+            if unknown is None:
+                return  # no answer: nothing learned
+            has = not same_as_unknown_route(status, body, flow.request.method, path, unknown)
         elif status in (404, 405) or (call.endpoint == "response" and b"conversation" in body.lower()):
             has = False
         else:

@@ -416,8 +416,9 @@ class WebSocketBridge:
                 request.content, forced = plan.body, plan
         answer, _ = await self.replays.send(flow, request, "the upstream WebSocket could not answer it")
         if forced is not None and 400 <= answer.status_code < 500 and answer.status_code not in TRANSIENT_STATUSES:
+            refused, refusal = answer.status_code, answer.get_content(strict=False) or b""
             answer, _ = await self.replays.send(flow, client.copy(), "the upstream refused a forced store")
-            self.planner.retried(forced, answer.status_code)
+            self.planner.retried(forced, refused, refusal, answer.status_code)
             self.state.flush()
         headers = [(k, v) for k, v in answer.headers.fields if k.lower() not in _HOP_BY_HOP]  # bytes, as they came
         return answer.status_code, headers, answer.raw_content or b""
