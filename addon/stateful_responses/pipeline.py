@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from .counters import Counters
 from .forward.addon import ForwardMode
+from .background.addon import Background
+from .background.jobs import Jobs
 from .continuation.planner import Planner
 from .heap import FrozenStartupHeap
 from .logs import quiet_libraries
@@ -38,7 +40,9 @@ def make_addons() -> list:
     history = History(config)
     conversations = Conversations(config)
     index = ChainIndex(config)
-    state = StateStore(config, tenancy, upstreams, planner, history, conversations, index)
+    jobs = Jobs(config)
+    state = StateStore(config, tenancy, upstreams, planner, history, conversations, index, jobs)
+    background = Background(config, counters, tenancy, upstreams, state, jobs)
     replays = Replays(counters)
     proofs = Proofs(upstreams, replays, state, counters)
     record = ContinuationRecord(config, counters, tenancy, reader, state, index)
@@ -52,6 +56,7 @@ def make_addons() -> list:
         Options(config),  # first: parses every option before the others configure
         state,
         decoding,  # before every capability: a compressed request body is read plain
+        background,  # before the others plan: a background create it runs is answered, its job replayed through them
         record,  # lifts the client's own request, before any change
         router,  # picks the upstream the emulations, the bridge and forward mode plan for
         # before store and conversation emulation: what replaces a checked continuation's answer is what they record
@@ -64,6 +69,7 @@ def make_addons() -> list:
         decoding.encoded,  # after every change to a request: it goes upstream encoded as the client's
         router.answers,  # fails over after the ones above learned from the failed answer
         record.answers,  # records what the client got, after every change
+        background.answers,  # late: its tap of a job's answer wraps every other tap
         ContentView(),  # the Stateful Responses view of every capability's flows, in mitmweb
         replays,  # last: its collector wraps the others' taps
         FrozenStartupHeap(),

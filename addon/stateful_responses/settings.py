@@ -91,6 +91,15 @@ def parse_websocket(name: str, value: object) -> str:
     raise SettingsError(f"{name}: expected one of {', '.join(WEBSOCKET_MODES)}, got {value!r}")
 
 
+BACKGROUND_MODES = ("off", "auto")
+
+
+def parse_background(name: str, value: object) -> str:
+    if isinstance(value, str) and value.strip().lower() in BACKGROUND_MODES:
+        return value.strip().lower()
+    raise SettingsError(f"{name}: expected one of {', '.join(BACKGROUND_MODES)}, got {value!r}")
+
+
 def parse_store(name: str, value: object) -> str:
     if not isinstance(value, str):
         raise SettingsError(f"{name}: expected sqlite, sqlite:PATH, memory, redis://… or rediss://…")
@@ -176,6 +185,20 @@ OPTIONS: dict[str, tuple[Any, Any, Any, str]] = {
         "Seconds a turn on an upstream WebSocket waits for each next event; then the socket is dropped: the turn "
         "goes over HTTP if the client has no byte of it yet, else its stream breaks, as a dropped HTTP stream.",
     ),
+    "stateful_background": (
+        parse_background, str, "auto",
+        "Background responses (background: true) where the upstream has no background mode: auto (the proxy "
+        "runs, polls, cancels and resumes them; passed through where the upstream has the mode), or off.",
+    ),
+    "stateful_background_jobs_per_credential": (
+        parse_positive_int, int, 64,
+        "Background responses the proxy runs at once for one credential on one proxy (beyond: passed through).",
+    ),
+    "stateful_background_lease_s": (
+        parse_positive_int, int, 30,
+        "Seconds a background response the proxy runs stays in progress without a sign of life from its "
+        "proxy; then it is failed (its proxy died).",
+    ),
     "stateful_debug": (parse_bool, bool, False, "Log one line per decision."),
 }
 PARSERS = {name: spec[0] for name, spec in OPTIONS.items()}
@@ -204,6 +227,9 @@ class Settings:
     upstream_websocket_idle_s: int = 300
     upstream_websocket_first_event_s: int = 60
     upstream_websocket_silence_s: int = 300
+    background: str = "auto"
+    background_jobs_per_credential: int = 64
+    background_lease_s: int = 30
     debug: bool = False
 
     @classmethod

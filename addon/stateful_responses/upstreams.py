@@ -16,7 +16,9 @@ a credential: it answered a Responses request, so its ``/conversations`` are
 the Responses API's) and ``refuses_websocket`` (its sockets are no use:
 it refused the WebSocket upgrade or never answered it, closed sockets
 before their first event, or a socket refused or did not continue what it
-was asked to). Each expires (a verdict drawn from faults sooner than the
+was asked to), ``native_background`` (it answered a ``background: true`` create in
+its own background mode) and ``lacks_background`` (it refused the field or answered
+such a create synchronously: the proxy runs its background responses). Each expires (a verdict drawn from faults sooner than the
 time to live: see ``mark``); setting one queues the write that shares it
 with every process using the store.
 """
@@ -34,7 +36,8 @@ from .tenancy import Tenancy
 MARKS = "marks"  # kind + scope -> when it expires
 
 MarkKind = Literal["reads_back", "unsupported", "no_forced_store", "honours_previous", "refuses_previous",
-                   "has_conversations", "lacks_conversations", "refuses_websocket", "serves_responses"]
+                   "has_conversations", "lacks_conversations", "refuses_websocket", "serves_responses",
+                   "native_background", "lacks_background"]
 MARK_KINDS = frozenset(MarkKind.__args__)  # type: ignore[attr-defined]
 
 # Answers that say "not now", not "not this": the client's SDK retries them and
