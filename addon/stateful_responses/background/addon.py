@@ -18,13 +18,14 @@ taps its answer and appends the events to the job's log (``jobs.py``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
 import secrets
 import time
 from dataclasses import dataclass, field
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from mitmproxy import ctx, http
 
@@ -218,7 +219,7 @@ class Background:
 
     async def _endpoint(self, flow: http.HTTPFlow, response_id: str, action: str | None) -> None:
         await self.state.ready()
-        tenant = self._tenant(credential_material(request_of(flow)))
+        tenant = self._tenant(_credential_without_api_query(flow))
         job = await self._read(tenant, response_id)
         if job is None:
             flow.response = _not_found(response_id)
@@ -587,6 +588,19 @@ class Background:
     def _debug(self, message: str, *args: object) -> None:
         if self.config.settings.debug:
             logger.info(message, *args)
+
+
+API_QUERY = frozenset({"stream", "starting_after", "include", "include[]", "include_obfuscation"})
+
+
+def _credential_without_api_query(flow: http.HTTPFlow) -> bytes:
+    """The tenant of a GET of a job: its query's API parameters are no
+    credential (a gateway's key in the query still is)."""
+    request = request_of(flow)
+    parts = urlsplit(request.url)
+    kept = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k not in API_QUERY]
+    url = parts._replace(query=urlencode(kept)).geturl()
+    return credential_material(dataclasses.replace(request, url=url))
 
 
 def _error_of(response: http.Response | None) -> dict:

@@ -1,0 +1,170 @@
+"""Background responses through mitmdump with the openai SDK, against the
+emulator taught each upstream behaviour: native (passed through), refusing
+(vLLM's 400), ignoring (a gateway that answers synchronously), stateless
+(llama.cpp, Ollama). Where the upstream has no background mode the proxy runs
+the job itself: answered at once, polled, cancelled, streamed and resumed,
+continued from, on two replicas, after a kill -9, never across tenants."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import openai
+import pytest
+from harness import start_mitmdump
+
+sys.path.insert(0, str(__import__("harness").ROOT / "addon"))
+from stateful_responses.background.jobs import is_ours  # noqa: E402
+
+THINK_MS = 3000  # the upstream's time to answer: a long model call
+NOT_NATIVE = {"refuse": {"background": "refuse"}, "ignore": {"background": "ignore"},
+              "stateless": {"stateless": "ignore"}}
+
+
+def client(proxy, key: str = "sk-a") -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def poll(c: openai.OpenAI, response):
+    deadline = time.monotonic() + 60
+    while response.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.1)
+        response = c.responses.retrieve(response.id)
+    return response
+
+
+def timed_create(c: openai.OpenAI, **kwargs):
+    began = time.monotonic()
+    response = c.responses.create(model="m", background=True, **kwargs)
+    return response, time.monotonic() - began
+
+
+@pytest.fixture
+def proxy(emulator, start_proxy):
+    return start_proxy(emulator.url, "--set", "stateful_store=memory", "--set", "stateful_emulate=auto",
+                       "--set", "stateful_debug=true")
+
+
+def test_a_native_upstream_runs_it_itself(emulator, proxy):
+    emulator.model.control({"background_delay_ms": 1000})
+    c = client(proxy)
+    for _ in range(2):  # the first teaches the verdict, the second passes at once
+        queued = c.responses.create(model="m", input="hello", background=True)
+        assert queued.status == "queued" and queued.background and not is_ours(queued.id)
+        done = poll(c, queued)
+        assert done.status == "completed" and done.output_text.startswith("I saw 1 items")
+    log = [r for r in emulator.model.snapshot_log() if r.get("background")]
+    assert [r["response_id"] for r in log][-1] == done.id  # the upstream's own id, its own job
+
+
+@pytest.mark.parametrize("behaviour", sorted(NOT_NATIVE))
+def test_an_upstream_without_background_mode_gets_it_from_the_proxy(emulator, proxy, behaviour):
+    emulator.model.control({**NOT_NATIVE[behaviour], "think_ms": THINK_MS})
+    c = client(proxy)
+    foreground = c.responses.create(model="m", input="hello")
+    for _ in range(2):  # the first create probes the upstream, the second knows it
+        queued, took = timed_create(c, input="hello")
+        assert took < THINK_MS / 1000  # answered while the upstream still thinks
+        assert (queued.status, queued.background, queued.output, queued.usage) == ("queued", True, [], None)
+        assert is_ours(queued.id)
+        done = poll(c, queued)
+        assert (done.id, done.status, done.background) == (queued.id, "completed", True)
+        assert done.output_text == foreground.output_text  # polled to completion = a foreground run
+        assert [i.model_dump() for i in done.output] == [
+            {**i.model_dump(), "id": d.id} for i, d in zip(foreground.output, done.output)]
+        assert done.usage == foreground.usage
+    assert not [r for r in emulator.model.snapshot_log() if r.get("background") and r.get("status_code") == 200
+                and r.get("stored") is False and r.get("output") == []]  # no job of the upstream's left running
+
+
+def test_a_finished_job_is_continued_from(emulator, proxy):
+    emulator.model.control({"background": "refuse"})
+    c = client(proxy)
+    done = poll(c, c.responses.create(model="m", input="hello", background=True))
+    following = c.responses.create(model="m", input="next", previous_response_id=done.id)
+    assert following.output_text.startswith("I saw 3 items")  # hello, the job's answer, next
+    assert emulator.model.snapshot_log()[-1]["context"][1]["content"] == [
+        o.model_dump(exclude_none=True) for o in done.output][0]["content"]
+
+
+def test_cancel_abandons_the_upstream_request_and_is_idempotent(emulator, proxy):
+    emulator.model.control({"background": "ignore", "think_ms": THINK_MS * 3})
+    c = client(proxy)
+    queued = c.responses.create(model="m", input="hello", background=True)
+    cancelled = c.responses.cancel(queued.id)
+    assert (cancelled.id, cancelled.status, cancelled.output) == (queued.id, "cancelled", [])
+    assert c.responses.cancel(queued.id).status == "cancelled"
+    time.sleep(1)
+    assert c.responses.retrieve(queued.id).status == "cancelled"
+    done = poll(c, c.responses.create(model="m", input="again", background=True))
+    assert c.responses.cancel(done.id) == done  # a finished one comes back unchanged
+    foreground = c.responses.create(model="m", input="x")
+    with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response."):
+        c.responses.cancel(foreground.id)
+
+
+@pytest.mark.parametrize("behaviour", ["refuse", "native"])
+def test_a_dropped_stream_resumes_after_any_event_without_gap_or_duplicate(emulator, proxy, behaviour):
+    emulator.model.control({"background": None if behaviour == "native" else "refuse", "slow_ms": 100,
+                            "background_delay_ms": 400})
+    c = client(proxy)
+    stream = c.responses.create(model="m", input="tell me a long story", background=True, stream=True)
+    first = []
+    for event in stream:
+        first.append(event)
+        if len(first) == 5:
+            break
+    stream.close()  # the connection drops; the job goes on
+    response_id = first[0].response.id
+    cursor = first[-1].sequence_number
+    rest = list(c.responses.retrieve(response_id, stream=True, starting_after=cursor))
+    numbers = [e.sequence_number for e in first + rest]
+    assert numbers == list(range(len(numbers)))
+    assert rest[-1].type == "response.completed"
+    final = c.responses.retrieve(response_id)
+    assert rest[-1].response.output_text == final.output_text and final.status == "completed"
+    replayed = list(c.responses.retrieve(response_id, stream=True))  # the whole stream again, from the first
+    assert [e.sequence_number for e in replayed] == numbers
+    assert [e.type for e in replayed][:3] == ["response.created", "response.queued", "response.in_progress"]
+    with c.responses.stream(response_id=response_id, starting_after=cursor) as resumed:
+        assert resumed.get_final_response().output_text == final.output_text
+
+
+def test_tenants_never_see_cancel_or_resume_each_others_jobs(emulator, proxy):
+    emulator.model.control({"background": "refuse", "think_ms": THINK_MS})
+    mine, theirs = client(proxy, "sk-a"), client(proxy, "sk-b")
+    queued = mine.responses.create(model="m", input="hello", background=True)
+    with pytest.raises(openai.NotFoundError):
+        theirs.responses.retrieve(queued.id)
+    with pytest.raises(openai.NotFoundError):
+        theirs.responses.cancel(queued.id)
+    with pytest.raises(openai.NotFoundError):
+        list(theirs.responses.retrieve(queued.id, stream=True))
+    assert poll(mine, queued).status == "completed"
+
+
+def test_two_replicas_on_redis_and_a_kill_9_mid_job(emulator, redis_server):
+    emulator.model.control({"background": "refuse", "think_ms": THINK_MS})
+    options = ("--set", f"stateful_store={redis_server.url}", "--set", "stateful_background_lease_s=2")
+    a, b = start_mitmdump(emulator.url, *options), start_mitmdump(emulator.url, *options)
+    try:
+        on_a, on_b = client(a), client(b)
+        queued = on_a.responses.create(model="m", input="hello", background=True)
+        assert on_b.responses.retrieve(queued.id).status in ("queued", "in_progress")
+        done = poll(on_b, queued)  # polled on the other replica to the end
+        assert done.status == "completed" and done.output_text.startswith("I saw 1 items")
+        events = list(on_b.responses.retrieve(queued.id, stream=True, starting_after=1))
+        assert events[0].sequence_number == 2 and events[-1].type == "response.completed"
+        following = on_b.responses.create(model="m", input="next", previous_response_id=done.id)
+        assert following.output_text.startswith("I saw 3 items")
+
+        emulator.model.control({"think_ms": THINK_MS * 4})
+        orphan = on_a.responses.create(model="m", input="hello", background=True)
+        a.kill()  # kill -9 while its job runs
+        ended = poll(on_b, orphan)
+        assert ended.status == "failed" and "stopped before it finished" in ended.error.message
+        assert on_b.responses.retrieve(orphan.id).status == "failed"
+    finally:
+        a.stop()
+        b.stop()
