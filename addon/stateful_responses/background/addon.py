@@ -47,7 +47,6 @@ ROUTE = re.compile(r"^(?P<base>.*?)/responses(?:/(?P<id>[^/]+)(?:/(?P<action>can
 JOB = "stateful_background_job"  # flow.metadata: the job a replayed flow runs
 PROBE_WAIT = 0.4  # seconds a create waits for an upstream of unknown verdict before the proxy answers it
 POLL_S = 0.1  # a stream served from another replica's job looks for new entries this often
-MAX_RUN_S = 3 * 3600.0  # a job still running by then is abandoned (failed)
 WRITE_WAIT = 2.0  # a create's answer waits this long at most for its job to be in the store
 
 
@@ -92,6 +91,10 @@ class Run:
     handler: object | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     ended: bool = False
+
+    @property
+    def stored(self) -> bool:
+        return self.body.get("store") is not False
 
 
 class Background:
@@ -210,7 +213,7 @@ class Background:
         created = {"type": "response.created", "response": run.queued}
         head = Entry([created, {"type": "response.queued", "response": run.queued}],
                      head={"response": run.queued, "stream": run.body.get("stream") is True})
-        run.size += self.jobs.append(run.tenant, run.key, head, start=True)
+        run.size += self.jobs.append(run.tenant, run.key, head, start=True, stored=run.stored)
         run.events += 2
         self.jobs.lease(run.key, self.config.settings.background_lease_s)
         pending, run.pending = run.pending, []
@@ -256,7 +259,7 @@ class Background:
         if job.outcome is not None:
             return job
         key = Jobs.key(tenant, job_id)[0]
-        self.jobs.append(tenant, key, Entry(cancelled=True))
+        self.jobs.append(tenant, key, Entry(cancelled=True), stored=job.stored)
         await self.state.written(self.state.flush(), WRITE_WAIT, through_outage=True)
         if (run := self._runs.get(key)) is not None:
             self._abandon(run)
@@ -277,7 +280,8 @@ class Background:
                 continue
             if job.outcome is None and key not in self._runs and await self._orphaned(key):
                 self.jobs.append(tenant, key, Entry([core.failed_event(
-                    job.head["response"], "The proxy running this background response stopped before it finished.")]))
+                    job.head["response"], "The proxy running this background response stopped before it finished.")]),
+                    stored=job.stored)
                 await self.state.written(self.state.flush(), WRITE_WAIT, through_outage=True)
                 return await self._read(tenant, job_id)
             return job
@@ -317,7 +321,7 @@ class Background:
             return
         tenant, job_id, after = stream
         keys = Jobs.key(tenant, job_id)
-        key, index, number, deadline = keys[0], 0, 0, time.monotonic() + MAX_RUN_S
+        key, index, number, deadline = keys[0], 0, 0, time.monotonic() + core.MAX_RUN_S
         try:
             while time.monotonic() < deadline and not answer.abandoned:
                 length, entries = await self._entries(tenant, key, index)
@@ -361,7 +365,7 @@ class Background:
     async def _run(self, run: Run) -> None:
         heartbeat = asyncio.get_running_loop().create_task(self._heartbeat(run))
         try:
-            await asyncio.wait_for(self._attempts(run), MAX_RUN_S)
+            await asyncio.wait_for(self._attempts(run), core.MAX_RUN_S)
         except asyncio.CancelledError:
             pass
         except asyncio.TimeoutError:
@@ -438,6 +442,8 @@ class Background:
         if child is None or child.response is None:
             return "error"
         response = child.response
+        if child.server_conn.timestamp_start is None:  # answered by an addon of ours, not the upstream: no verdict
+            return "error"
         if run.streamed:
             return "native" if run.relabel.native else "answered"
         status = response.status_code
@@ -570,7 +576,8 @@ class Background:
                                                       "background response."})]
         finished = run.relabel.finished
         run.size += self.jobs.append(run.tenant, run.key,
-                                     Entry(events, upstream_id=run.relabel.upstream_id if finished else None))
+                                     Entry(events, upstream_id=run.relabel.upstream_id if finished else None),
+                                     stored=run.stored)
         if finished:
             run.ended = True
             self.jobs.release(run.key)

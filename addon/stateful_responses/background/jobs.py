@@ -41,6 +41,8 @@ LEASES = "background-leases"  # job key -> the time its process's lease ends (cl
 
 MAX_EVENTS = 100_000  # events one job keeps at most: an answer beyond is failed, as one the proxy cannot hold
 MAX_BYTES = 64 * 1024 * 1024  # bytes of sealed entries one job keeps at most
+MAX_RUN_S = 3 * 3600.0  # a job still running by then is abandoned (failed)
+UNSTORED_TTL = MAX_RUN_S + 600.0  # seconds a ``store: false`` job is kept: its run, then ten minutes to poll it
 TAIL = 8  # entries read from a log's end for its outcome: a terminal event is the last, or nearly
 TERMINAL = {"response.completed": "completed", "response.failed": "failed", "response.incomplete": "incomplete"}
 LIFECYCLE = frozenset({"response.created", "response.queued", "response.in_progress"})
@@ -150,6 +152,10 @@ class JobView:
     outcome: str | None = None  # completed / failed / incomplete / cancelled
     final: dict | None = None  # the terminal event's response
     upstream_id: str | None = None
+
+    @property
+    def stored(self) -> bool:
+        return self.head["response"].get("store") is not False
 
     @property
     def response(self) -> dict:
@@ -326,10 +332,13 @@ class Jobs:
         """Where the job's log may be: under the store's secret, then older ones."""
         return tenant.record_keys(b"background-job", job_id)
 
-    def append(self, tenant: Tenant, key: bytes, entry: Entry, start: bool = False) -> int:
-        """Queue one entry; its sealed size."""
+    def append(self, tenant: Tenant, key: bytes, entry: Entry, start: bool = False, stored: bool = True) -> int:
+        """Queue one entry; its sealed size. A job sent with ``store: false``
+        is kept only while it can run and be polled (``UNSTORED_TTL``), as the
+        API keeps such a background response for polling only."""
         sealed = tenant.seal(entry.encode(), key)
-        self._outbox.append(Write(JOBS, key, sealed, self.config.ttl, log="start" if start else "append"))
+        ttl = self.config.ttl if stored else min(self.config.ttl, UNSTORED_TTL)
+        self._outbox.append(Write(JOBS, key, sealed, ttl, log="start" if start else "append"))
         return len(sealed)
 
     def lease(self, key: bytes, seconds: float) -> None:

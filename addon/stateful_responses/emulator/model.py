@@ -562,9 +562,11 @@ class ResponsesModel:
             raise errors.response_not_found(response_id)
         return stored
 
-    def runs_background(self) -> bool:
-        """Whether ``background: true`` is honoured here (not refused, dropped, or ignored by a stateless server)."""
-        return self.faults.background is None and self.faults.stateless is None
+    def answers_background_at_once(self) -> bool:
+        """Whether ``background: true`` is answered without the model's time:
+        queued (honoured here), or refused when the request is validated (vLLM);
+        a server that drops or ignores the field answers it as any other."""
+        return self.faults.background in (None, "refuse") and self.faults.stateless is None
 
     def retrieve(self, credential: str, response_id: str) -> dict:
         """``GET /responses/{id}``: the response as it stands now."""

@@ -317,8 +317,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _create(self, body: bytes) -> None:
         parsed = _parsed(body)
         credential = self._credential()
-        if not (isinstance(parsed, dict) and parsed.get("background") and self.model.runs_background()):
-            self._think()  # a background response is queued at once; it thinks in the background
+        if not (isinstance(parsed, dict) and parsed.get("background") and self.model.answers_background_at_once()):
+            self._think()  # a background response is queued (or refused) at once; it thinks in the background
         response, fault = self.model.create(credential, parsed, len(body), self.raw_sha256,
                                              self.body_encoding)
         fault = fault or {}
