@@ -7,15 +7,13 @@ continued from, on two replicas, after a kill -9, never across tenants."""
 
 from __future__ import annotations
 
-import sys
 import time
 
 import openai
 import pytest
 from harness import start_mitmdump
 
-sys.path.insert(0, str(__import__("harness").ROOT / "addon"))
-from stateful_responses.background.jobs import is_ours  # noqa: E402
+from stateful_responses.background.jobs import is_ours
 
 THINK_MS = 3000  # the upstream's time to answer: a long model call
 NOT_NATIVE = {"refuse": {"background": "refuse"}, "ignore": {"background": "ignore"},
@@ -74,8 +72,9 @@ def test_an_upstream_without_background_mode_gets_it_from_the_proxy(emulator, pr
         assert [i.model_dump() for i in done.output] == [
             {**i.model_dump(), "id": d.id} for i, d in zip(foreground.output, done.output)]
         assert done.usage == foreground.usage
-    assert not [r for r in emulator.model.snapshot_log() if r.get("background") and r.get("status_code") == 200
-                and r.get("stored") is False and r.get("output") == []]  # no job of the upstream's left running
+    answered = [r for r in emulator.model.snapshot_log() if r.get("status_code") == 200]
+    assert len(answered) == 3  # one model call each: the foreground run and the two jobs (a probe answered is one)
+    assert answered[-1]["stream"] and not answered[-1]["background"]  # a job runs in the foreground, streamed
 
 
 def test_a_finished_job_is_continued_from(emulator, proxy):
@@ -168,3 +167,35 @@ def test_two_replicas_on_redis_and_a_kill_9_mid_job(emulator, redis_server):
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_job_continues_a_chain_the_proxy_keeps_and_is_deleted(emulator, proxy):
+    emulator.model.control({"stateless": "ignore"})  # keeps nothing: store emulation expands the chain
+    c = client(proxy)
+    first = c.responses.create(model="m", input="hello")
+    job = poll(c, c.responses.create(model="m", input="more", previous_response_id=first.id, background=True))
+    assert job.status == "completed" and job.output_text.startswith("I saw 3 items")
+    third = c.responses.create(model="m", input="last", previous_response_id=job.id)
+    assert third.output_text.startswith("I saw 5 items")
+    assert c.responses.delete(job.id) is None
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(job.id)
+    with pytest.raises(openai.BadRequestError, match="not found"):
+        c.responses.create(model="m", input="x", previous_response_id=job.id)
+
+
+def test_an_unfinished_job_is_no_previous_response_yet(emulator, proxy):
+    emulator.model.control({"background": "refuse", "think_ms": THINK_MS})
+    c = client(proxy)
+    queued = c.responses.create(model="m", input="hello", background=True, store=False)
+    assert queued.store is False
+    with pytest.raises(openai.BadRequestError, match="previous_response_not_found|not found"):
+        c.responses.create(model="m", input="next", previous_response_id=queued.id)
+    assert poll(c, queued).status == "completed"
+
+
+def test_off_passes_every_background_request(emulator, start_proxy):
+    emulator.model.control({"background": "refuse"})
+    off = start_proxy(emulator.url, "--set", "stateful_store=memory", "--set", "stateful_background=off")
+    with pytest.raises(openai.BadRequestError, match="does not support the background mode"):
+        client(off).responses.create(model="m", input="hello", background=True)

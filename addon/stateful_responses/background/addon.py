@@ -421,8 +421,8 @@ class Background:
                 return
             self._decide(run, "emulate", None)
         await self._wait_committed(run)
-        run.probing = False
-        run.reader, run.body_seen, run.streamed = SSEReader(), bytearray(), False
+        run.probing = False  # the job's own run: nothing of the probe was logged
+        run.reader, run.body_seen, run.streamed, run.relabel = SSEReader(), bytearray(), False, Relabel(run.queued)
         child = await self._replay(run, core.run_body(run.body))
         if not run.ended:
             await self._take_answer(run, child)
