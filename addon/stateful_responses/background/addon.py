@@ -85,6 +85,7 @@ class Run:
     reader: SSEReader = field(default_factory=SSEReader)
     body_seen: bytearray = field(default_factory=bytearray)
     streamed: bool = False
+    tapped: bool = False  # the answer came from upstream through our tap (not made by an addon of ours)
     native: bool | None = None  # a probe's stream: the upstream ran it in its own background mode
     pending: list = field(default_factory=list)  # a probe's events before the job was committed
     task: asyncio.Task | None = None
@@ -191,7 +192,7 @@ class Background:
                 if verdict in ("native", "error"):  # the upstream's own answer is the client's
                     self._runs.pop(key, None)
                     if answer is not None:
-                        flow.response = answer
+                        flow.response = _whole(answer)
                     self._debug("background: %s answered the create itself (%s)", label, verdict)
                     return
         if run.ended:  # the run broke before the proxy took the job: the request goes as the client sent it
@@ -422,7 +423,8 @@ class Background:
             self._decide(run, "emulate", None)
         await self._wait_committed(run)
         run.probing = False  # the job's own run: nothing of the probe was logged
-        run.reader, run.body_seen, run.streamed, run.relabel = SSEReader(), bytearray(), False, Relabel(run.queued)
+        run.reader, run.body_seen, run.streamed, run.tapped = SSEReader(), bytearray(), False, False
+        run.relabel = Relabel(run.queued)
         child = await self._replay(run, core.run_body(run.body))
         if not run.ended:
             await self._take_answer(run, child)
@@ -501,7 +503,7 @@ class Background:
         except asyncio.CancelledError:
             self._close(handler)
             raise
-        if child.response is not None and not run.streamed:
+        if child.response is not None and run.tapped and not run.streamed:  # streamed to our tap: its bytes
             child.response.raw_content = bytes(run.body_seen)
         return child
 
@@ -597,6 +599,15 @@ class Background:
             logger.info(message, *args)
 
 
+def _whole(answer: http.Response) -> http.Response:
+    """The probe's answer, made anew for the client's flow: its body whole, its framing mitmproxy's."""
+    headers = [(k, v) for k, v in answer.headers.items(multi=True)
+               if k.lower() not in ("content-length", "transfer-encoding", "content-encoding")]
+    response = http.Response.make(answer.status_code, answer.get_content() or b"", headers)
+    response.reason = answer.reason
+    return response
+
+
 API_QUERY = frozenset({"stream", "starting_after", "include", "include[]", "include_obfuscation"})
 
 
@@ -637,6 +648,7 @@ class BackgroundAnswers:
             flow.response.status_code == 200 and not flow.response.headers.get("content-encoding")
         downstream = flow.response.stream
         background = self.background
+        run.tapped = True
 
         def tap(chunk: bytes) -> bytes:
             try:
