@@ -199,3 +199,19 @@ def test_off_passes_every_background_request(emulator, start_proxy):
     off = start_proxy(emulator.url, "--set", "stateful_store=memory", "--set", "stateful_background=off")
     with pytest.raises(openai.BadRequestError, match="does not support the background mode"):
         client(off).responses.create(model="m", input="hello", background=True)
+
+
+def test_jobs_at_once_are_bounded_per_credential_across_replicas(emulator, redis_server):
+    emulator.model.control({"background": "refuse", "think_ms": THINK_MS})
+    options = ("--set", f"stateful_store={redis_server.url}", "--set", "stateful_background_jobs_per_credential=1")
+    a, b = start_mitmdump(emulator.url, *options), start_mitmdump(emulator.url, *options)
+    try:
+        running = client(a).responses.create(model="m", input="hello", background=True)
+        with pytest.raises(openai.BadRequestError, match="does not support the background mode"):
+            client(b).responses.create(model="m", input="hello", background=True)  # beyond: as without the proxy
+        assert client(b, "sk-b").responses.create(model="m", input="hello", background=True).status == "queued"
+        assert poll(client(b), running).status == "completed"
+        assert client(b).responses.create(model="m", input="again", background=True).status == "queued"
+    finally:
+        a.stop()
+        b.stop()

@@ -192,7 +192,7 @@ OPTIONS: dict[str, tuple[Any, Any, Any, str]] = {
     ),
     "stateful_background_jobs_per_credential": (
         parse_positive_int, int, 64,
-        "Background responses the proxy runs at once for one credential on one proxy (beyond: passed through).",
+        "Background responses the proxy runs at once for one credential, over every replica (beyond: passed through).",
     ),
     "stateful_background_lease_s": (
         parse_positive_int, int, 30,

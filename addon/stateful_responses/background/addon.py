@@ -171,11 +171,10 @@ class Background:
         scope, label = self.tenancy.scope(base, credential)
         if self.upstreams.has("native_background", scope) or not self.config.settings.model_matches(body["model"]):
             return
-        if sum(r.credential == credential for r in self._runs.values()) >= \
-                self.config.settings.background_jobs_per_credential:
+        await self.state.ready()
+        if await self._jobs_at_once(tenant, credential) >= self.config.settings.background_jobs_per_credential:
             self._debug("background: %s has as many jobs running as it may; passed", label)
             return
-        await self.state.ready()
         job_id = core.mint_id()
         key = Jobs.key(tenant, job_id)[0]
         queued = core.queued_response(body, job_id, int(time.time()))
@@ -217,6 +216,7 @@ class Background:
         run.size += self.jobs.append(run.tenant, run.key, head, start=True, stored=run.stored)
         run.events += 2
         self.jobs.lease(run.key, self.config.settings.background_lease_s)
+        self.jobs.started(run.tenant, run.key)
         pending, run.pending = run.pending, []
         self.log(run, pending)
         await self.state.written(self.state.flush(), WRITE_WAIT, through_outage=True)
@@ -287,6 +287,23 @@ class Background:
                 return await self._read(tenant, job_id)
             return job
         return None
+
+    async def _jobs_at_once(self, tenant: Tenant, credential: bytes) -> int:
+        """The tenant's jobs running now on every replica: those of its
+        ledger's latest whose lease is alive (this process's own, if the store
+        cannot say)."""
+        here = sum(r.credential == credential for r in self._runs.values())
+        ledger = Jobs.ledger_key(tenant)
+        try:
+            length = core.length_of(await self.state.get_strict(JOBS, [ledger]), ledger)
+            indexes = range(max(0, length - 2 * self.config.settings.background_jobs_per_credential), length)
+            listed = await self.state.get_strict(JOBS, [log_entry(ledger, i) for i in indexes])
+            keys = list(listed.values())
+            leases = await self.state.get_strict(LEASES, keys) if keys else {}
+        except StorageError:
+            return here
+        now = time.time()
+        return max(here, sum(core.lease_alive(leases.get(key), now) for key in keys))
 
     async def _orphaned(self, key: bytes) -> bool:
         leases = await self.state.get_strict(LEASES, [key])

@@ -332,6 +332,15 @@ class Jobs:
         """Where the job's log may be: under the store's secret, then older ones."""
         return tenant.record_keys(b"background-job", job_id)
 
+    @staticmethod
+    def ledger_key(tenant: Tenant) -> bytes:
+        """Where the tenant's jobs are listed as they start: what its jobs at once are counted from."""
+        return tenant.record_keys(b"background-ledger", "")[0]
+
+    def started(self, tenant: Tenant, key: bytes) -> None:
+        """List a job in its tenant's ledger (its key: a keyed digest, no content), for as long as it may run."""
+        self._outbox.append(Write(JOBS, self.ledger_key(tenant), key, MAX_RUN_S, log="start"))
+
     def append(self, tenant: Tenant, key: bytes, entry: Entry, start: bool = False, stored: bool = True) -> int:
         """Queue one entry; its sealed size. A job sent with ``store: false``
         is kept only while it can run and be polled (``UNSTORED_TTL``), as the
