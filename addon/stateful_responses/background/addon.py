@@ -151,11 +151,11 @@ class Background:
             return
         if not isinstance(body, dict):
             return
+        await self.state.ready()  # the store's secret names the tenant's keys
         credential = credential_material(request_of(flow))
         tenant = self._tenant(credential)
         previous = body.get("previous_response_id")
         if core.is_ours(previous):  # a continuation of a job: the upstream knows its answer by its own id
-            await self.state.ready()
             job = await self._read(tenant, previous)
             if job is None or job.outcome != "completed" or not job.upstream_id:
                 flow.response = _json(400, {"error": {
@@ -171,7 +171,6 @@ class Background:
         scope, label = self.tenancy.scope(base, credential)
         if self.upstreams.has("native_background", scope) or not self.config.settings.model_matches(body["model"]):
             return
-        await self.state.ready()
         if await self._jobs_at_once(tenant, credential) >= self.config.settings.background_jobs_per_credential:
             self._debug("background: %s has as many jobs running as it may; passed", label)
             return
