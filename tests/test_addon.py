@@ -38,8 +38,8 @@ class Glue:
 
     def __init__(self, **options) -> None:
         self.addons = make_addons()
-        (self.options, self.state, self.decoding, self.record, self.router, _, self.conversations, self.emulation,
-         self.bridge, self.forward, self.encoding, _, _, _,
+        (self.options, self.state, self.decoding, _, self.record, self.router, _, self.conversations, self.emulation,
+         self.bridge, self.forward, self.encoding, _, _, _, _,
          self.replays, _) = self.addons
         self.planner = self.forward.planner
         self._options = {"stateful_store": "memory", "stateful_upstream_websocket": "off", **options}
