@@ -44,6 +44,8 @@ from .jobs import JOBS, LEASES, Entry, Jobs, JobView, Relabel, SSEReader
 logger = logging.getLogger(__name__)
 
 ROUTE = re.compile(r"^(?P<base>.*?)/responses(?:/(?P<id>[^/]+)(?:/(?P<action>cancel|input_items))?)?/?$")
+# A body that may ask for background or continue a job of ours (a prefilter: the parsed body decides).
+MAY_CONCERN_US = re.compile(rb'"background"\s*:\s*true|"previous_response_id"\s*:\s*"resp_[0-9a-f]{48}"')
 JOB = "stateful_background_job"  # flow.metadata: the job a replayed flow runs
 PROBE_WAIT = 0.4  # seconds a create waits for an upstream of unknown verdict before the proxy answers it
 POLL_S = 0.1  # a stream served from another replica's job looks for new entries this often
@@ -145,8 +147,11 @@ class Background:
                          older_secrets=self.tenancy.older_secrets)
 
     async def _create(self, flow: http.HTTPFlow) -> None:
+        content = flow.request.get_content() or b""
+        if not MAY_CONCERN_US.search(content):  # most requests: no full parse of a long history on the event loop
+            return
         try:
-            body = json.loads(flow.request.get_content() or b"")
+            body = json.loads(content)
         except ValueError:
             return
         if not isinstance(body, dict):
