@@ -47,7 +47,7 @@ ROUTE = re.compile(r"^(?P<base>.*?)/responses(?:/(?P<id>[^/]+)(?:/(?P<action>can
 # A body that may ask for background or continue a job of ours (a prefilter: the parsed body decides).
 MAY_CONCERN_US = re.compile(rb'"background"\s*:\s*true|"previous_response_id"\s*:\s*"resp_[0-9a-f]{48}"')
 JOB = "stateful_background_job"  # flow.metadata: the job a replayed flow runs
-PROBE_WAIT = 0.4  # seconds a create waits for an upstream of unknown verdict before the proxy answers it
+PROBE_WAIT = 0.3  # seconds a create waits for an upstream of unknown verdict before the proxy answers it
 POLL_S = 0.1  # a stream served from another replica's job looks for new entries this often
 WRITE_WAIT = 2.0  # a create's answer waits this long at most for its job to be in the store
 
