@@ -114,8 +114,9 @@ def test_a_dropped_stream_resumes_after_any_event_without_gap_or_duplicate(emula
         first.append(event)
         if len(first) == 5:
             break
-    stream.close()  # the connection drops; the job goes on
     response_id = first[0].response.id
+    assert c.responses.retrieve(response_id).status == "in_progress"  # the events came as they were made
+    stream.close()  # the connection drops; the job goes on
     cursor = first[-1].sequence_number
     rest = list(c.responses.retrieve(response_id, stream=True, starting_after=cursor))
     numbers = [e.sequence_number for e in first + rest]
@@ -149,8 +150,13 @@ def test_two_replicas_on_redis_and_a_kill_9_mid_job(emulator, redis_server):
     a, b = start_mitmdump(emulator.url, *options), start_mitmdump(emulator.url, *options)
     try:
         on_a, on_b = client(a), client(b)
-        queued = on_a.responses.create(model="m", input="hello", background=True)
+        queued = on_a.responses.create(model="m", input="hello", background=True, stream=True)
+        first = next(iter(queued))
+        queued = first.response
         assert on_b.responses.retrieve(queued.id).status in ("queued", "in_progress")
+        live = list(on_b.responses.retrieve(queued.id, stream=True, starting_after=0))  # while A runs it
+        assert [e.sequence_number for e in live] == list(range(1, len(live) + 1))
+        assert live[-1].type == "response.completed"
         done = poll(on_b, queued)  # polled on the other replica to the end
         assert done.status == "completed" and done.output_text.startswith("I saw 1 items")
         events = list(on_b.responses.retrieve(queued.id, stream=True, starting_after=1))

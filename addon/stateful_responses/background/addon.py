@@ -47,6 +47,7 @@ ROUTE = re.compile(r"^(?P<base>.*?)/responses(?:/(?P<id>[^/]+)(?:/(?P<action>can
 # A body that may ask for background or continue a job of ours (a prefilter: the parsed body decides).
 MAY_CONCERN_US = re.compile(rb'"background"\s*:\s*true|"previous_response_id"\s*:\s*"resp_[0-9a-f]{48}"')
 JOB = "stateful_background_job"  # flow.metadata: the job a replayed flow runs
+SERVED = "stateful_background_served"  # flow.metadata: a client's flow the loopback server streams a job's events to
 PROBE_WAIT = 0.3  # seconds a create waits for an upstream of unknown verdict before the proxy answers it
 POLL_S = 0.1  # a stream served from another replica's job looks for new entries this often
 WRITE_WAIT = 2.0  # a create's answer waits this long at most for its job to be in the store
@@ -332,6 +333,7 @@ class Background:
         await self.loopback.start()
         token = secrets.token_urlsafe(24)
         self._streams[token] = (tenant, job_id, after)
+        flow.metadata[SERVED] = job_id
         where = f"127.0.0.1:{self.loopback.port}"
         flow.request.data = http.Request.make("GET", f"http://{where}{PATH_PREFIX}{token}", b"",
                                               {"host": where, "content-length": "0"}).data
@@ -662,6 +664,8 @@ class BackgroundAnswers:
         self.background = background
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if SERVED in flow.metadata and flow.response is not None and not flow.response.stream:
+            flow.response.stream = True  # each event on to the client as it comes
         run = self.background._by_flow.get(flow) if JOB in flow.metadata else None
         if run is None or flow.response is None:
             return
