@@ -115,7 +115,8 @@ def test_a_dropped_stream_resumes_after_any_event_without_gap_or_duplicate(emula
         if len(first) == 5:
             break
     response_id = first[0].response.id
-    assert c.responses.retrieve(response_id).status == "in_progress"  # the events came as they were made
+    if behaviour != "native":  # the proxy's job: its events came as the upstream made them
+        assert c.responses.retrieve(response_id).status == "in_progress"
     stream.close()  # the connection drops; the job goes on
     cursor = first[-1].sequence_number
     rest = list(c.responses.retrieve(response_id, stream=True, starting_after=cursor))
