@@ -148,7 +148,7 @@ class Background:
                          older_secrets=self.tenancy.older_secrets)
 
     async def _create(self, flow: http.HTTPFlow) -> None:
-        content = flow.request.get_content() or b""
+        content = flow.request.get_content(strict=False) or b""  # undecodable: its bytes, which ask nothing
         if not MAY_CONCERN_US.search(content):  # most requests: no full parse of a long history on the event loop
             return
         try:
@@ -624,9 +624,12 @@ class Background:
 
 def _whole(answer: http.Response) -> http.Response:
     """The probe's answer, made anew for the client's flow: its body whole, its framing mitmproxy's."""
-    headers = [(k, v) for k, v in answer.headers.items(multi=True)
-               if k.lower() not in ("content-length", "transfer-encoding", "content-encoding")]
-    response = http.Response.make(answer.status_code, answer.get_content() or b"", headers)
+    try:
+        body, dropped = answer.get_content() or b"", ("content-length", "transfer-encoding", "content-encoding")
+    except ValueError:  # not decodable: as it came, with its encoding named
+        body, dropped = answer.raw_content or b"", ("content-length", "transfer-encoding")
+    headers = [(k, v) for k, v in answer.headers.items(multi=True) if k.lower() not in dropped]
+    response = http.Response.make(answer.status_code, body, headers)
     response.reason = answer.reason
     return response
 
