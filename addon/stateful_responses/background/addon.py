@@ -537,7 +537,10 @@ class Background:
                 io.handler.cancel()
 
     def _abandon(self, run: Run) -> None:
-        """Stop the run: its upstream request is closed, nothing more is logged."""
+        """Stop the run: its upstream request is closed, nothing more is logged, its lease is given up."""
+        if not run.ended and run.committed:
+            self.jobs.release(run.key)
+            self.state.flush()
         run.ended = True
         if run.handler is not None:
             self._close(run.handler)

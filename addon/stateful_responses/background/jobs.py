@@ -211,10 +211,6 @@ def numbered(entries: Iterable[Entry], first: int = 0) -> Iterator[tuple[dict, b
             yield served, False
 
 
-def events_in(entry: Entry) -> int:
-    return 0 if entry.cancelled else len(entry.events)
-
-
 # -- relabelling an upstream's answer --------------------------------------------------------------------------
 
 
