@@ -222,3 +222,24 @@ def test_jobs_at_once_are_bounded_per_credential_across_replicas(emulator, redis
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_proxy_killed_mid_job_fails_it_once_restarted(emulator, tmp_path):
+    """The default store (SQLite), one proxy: killed with -9 while its job runs,
+    then started again on its confdir and port. Its lease (10 minutes here)
+    names it, so the restarted proxy knows the job died with it at once."""
+    emulator.model.control({"background": "ignore", "think_ms": THINK_MS * 4})
+    options = ("--set", "stateful_background_lease_s=600")
+    first = start_mitmdump(emulator.url, *options, confdir=str(tmp_path))
+    try:
+        queued = client(first).responses.create(model="m", input="hello", background=True)
+        first.kill()
+        again = start_mitmdump(emulator.url, *options, confdir=str(tmp_path), port=first.port)
+        try:
+            ended = client(again).responses.retrieve(queued.id)
+            assert ended.status == "failed" and "stopped before it finished" in ended.error.message
+            assert client(again).responses.create(model="m", input="x", background=True).status == "queued"
+        finally:
+            again.stop()
+    finally:
+        first.stop()

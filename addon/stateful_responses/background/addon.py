@@ -21,8 +21,10 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import re
 import secrets
+import socket
 import time
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, urlencode, urlsplit
@@ -115,6 +117,11 @@ class Background:
         self._runs: dict[bytes, Run] = {}  # by job key
         self._by_flow: PerFlow[Run] = PerFlow()
         self.answers = BackgroundAnswers(self)
+        self.replica = b""  # this proxy, across its restarts (``jobs.replica_id``)
+
+    def running(self) -> None:
+        listen = f"{ctx.options.listen_host}:{ctx.options.listen_port}:{','.join(ctx.options.mode)}"
+        self.replica = core.replica_id(socket.gethostname(), os.path.expanduser(ctx.options.confdir), listen)
 
     def done(self) -> None:
         self.loopback.close()
@@ -220,7 +227,7 @@ class Background:
                      head={"response": run.queued, "stream": run.body.get("stream") is True})
         run.size += self.jobs.append(run.tenant, run.key, head, start=True, stored=run.stored)
         run.events += 2
-        self.jobs.lease(run.key, self.config.settings.background_lease_s)
+        self.jobs.lease(run.key, self.config.settings.background_lease_s, self.replica)
         self.jobs.started(run.tenant, run.key)
         pending, run.pending = run.pending, []
         self.log(run, pending)
@@ -308,11 +315,12 @@ class Background:
         except StorageError:
             return here
         now = time.time()
-        return max(here, sum(core.lease_alive(leases.get(key), now) for key in keys))
+        return max(here, sum(core.lease_alive(leases.get(key), now, self.replica, key in self._runs)
+                             for key in keys))
 
     async def _orphaned(self, key: bytes) -> bool:
         leases = await self.state.get_strict(LEASES, [key])
-        return not core.lease_alive(leases.get(key), time.time())
+        return not core.lease_alive(leases.get(key), time.time(), self.replica, key in self._runs)
 
     async def _entries(self, tenant: Tenant, key: bytes, start: int) -> tuple[int, list[Entry]]:
         length = core.length_of(await self.state.get_strict(JOBS, [key]), key)
@@ -581,7 +589,7 @@ class Background:
             await asyncio.sleep(period)
             if not run.committed:
                 continue
-            self.jobs.lease(run.key, self.config.settings.background_lease_s)
+            self.jobs.lease(run.key, self.config.settings.background_lease_s, self.replica)
             self.state.flush()
             try:
                 job = await self._read(run.tenant, run.job_id)

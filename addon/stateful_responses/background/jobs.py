@@ -346,8 +346,10 @@ class Jobs:
         self._outbox.append(Write(JOBS, key, sealed, ttl, log="start" if start else "append"))
         return len(sealed)
 
-    def lease(self, key: bytes, seconds: float) -> None:
-        self._outbox.append(Write(LEASES, key, struct.pack("!d", time.time() + seconds), seconds * 2))
+    def lease(self, key: bytes, seconds: float, holder: bytes) -> None:
+        """The job's process is alive for ``seconds`` more; ``holder`` names
+        that process (``replica_id``), so that it knows its own jobs after a restart."""
+        self._outbox.append(Write(LEASES, key, struct.pack("!d", time.time() + seconds) + holder, seconds * 2))
 
     def release(self, key: bytes) -> None:
         self._outbox.append(Write(LEASES, key, None))
@@ -363,8 +365,18 @@ class Jobs:
         self._outbox.clear()
 
 
-def lease_alive(record: bytes | None, now: float) -> bool:
-    return record is not None and len(record) == 8 and struct.unpack("!d", record)[0] > now
+def replica_id(host: str, confdir: str, listen: str) -> bytes:
+    """What names one proxy across its restarts: its machine, its confdir and
+    where it listens (two proxies cannot listen on one address)."""
+    return blake3(f"{host}\x00{confdir}\x00{listen}".encode()).digest(16)
+
+
+def lease_alive(record: bytes | None, now: float, me: bytes = b"", mine: bool = False) -> bool:
+    """Whether a lease holds: unexpired, and, if it names this proxy (``me``),
+    for a job this process runs (``mine``): one its earlier life held died with it."""
+    if record is None or len(record) < 8 or struct.unpack("!d", record[:8])[0] <= now:
+        return False
+    return mine or not me or record[8:] != me
 
 
 def opened(tenant: Tenant, key: bytes, records: dict[bytes, bytes], indexes: Iterable[int]) -> dict[int, Entry]:
