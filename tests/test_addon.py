@@ -10,7 +10,18 @@ import sys
 import pytest
 from harness import ADDON
 from mitmproxy.test import taddons, tflow, tutils
+from stateful_responses.client_websocket.addon import ClientWebSocket
+from stateful_responses.compaction.addon import Compaction
+from stateful_responses.forward.addon import ForwardMode
+from stateful_responses.options import Options
 from stateful_responses.pipeline import make_addons
+from stateful_responses.record.addon import ContinuationRecord
+from stateful_responses.replays import Replays
+from stateful_responses.request_encoding.addon import DecodedRequests, EncodedRequests
+from stateful_responses.router.addon import Router
+from stateful_responses.state.addon import StateStore
+from stateful_responses.store_emulation.addon import ConversationEmulation, StoreEmulation
+from stateful_responses.websocket.addon import WebSocketBridge
 from stateful_responses.flows import DECISION
 from stateful_responses.state.storage import StorageError
 from stateful_responses.store_emulation.turns import DEPENDENTS, ITEMS
@@ -38,9 +49,12 @@ class Glue:
 
     def __init__(self, **options) -> None:
         self.addons = make_addons()
-        (self.options, _, self.state, self.decoding, self.record, self.router, _, self.conversations,
-         self.emulation, self.compaction, self.bridge, self.forward, self.encoding, _, _, self.client_websocket, _, _,
-         self.replays, _) = self.addons
+        one = {type(addon): addon for addon in self.addons}  # each capability's addon, wherever the pipeline puts it
+        self.options, self.state, self.decoding, self.record, self.router = (
+            one[Options], one[StateStore], one[DecodedRequests], one[ContinuationRecord], one[Router])
+        self.conversations, self.emulation, self.compaction = one[ConversationEmulation], one[StoreEmulation], one[Compaction]
+        self.bridge, self.forward, self.encoding = one[WebSocketBridge], one[ForwardMode], one[EncodedRequests]
+        self.client_websocket, self.replays = one[ClientWebSocket], one[Replays]
         self.planner = self.forward.planner
         self._options = {"stateful_store": "memory", "stateful_upstream_websocket": "off", **options}
         # The proof's GET goes through mitmproxy's replay, which needs a running

@@ -156,3 +156,34 @@ def test_the_openai_sdk_runs_a_background_response(emulator, delay_ms):
         response = client.responses.retrieve(response.id)
     assert response.status == "completed" and response.output_text.startswith("I saw 1 items")
     client.close()
+
+
+@pytest.mark.parametrize("control", [{"background": "ignore"}, {"stateless": "ignore"}])
+def test_an_upstream_that_ignores_it_answers_synchronously(emulator, control):
+    emulator.model.control({**control, "think_ms": 300})
+    began = time.monotonic()
+    answer = start(emulator)
+    assert time.monotonic() - began >= 0.25  # the model's time: it ran in the foreground
+    assert (answer["status"], answer["background"]) == ("completed", False)
+
+
+def test_vllm_without_its_store_refuses_it_at_once(emulator):
+    emulator.model.control({"background": "refuse", "think_ms": 5000})
+    began = time.monotonic()
+    refused = request(emulator, "POST", "/v1/responses", {"model": "m", "input": "x", "background": True})
+    assert time.monotonic() - began < 5
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "background"
+    assert "does not support the background mode" in refused.json()["error"]["message"]
+
+
+def test_a_background_stream_is_resumed_after_any_event_or_replayed_whole(emulator):
+    emulator.model.control({"background_delay_ms": 0})
+    done = events_of(request(emulator, "POST", "/v1/responses", {"model": "m", "input": "x", "background": True,
+                                                                 "stream": True}).text)
+    response_id = done[-1]["response"]["id"]
+    replayed = events_of(request(emulator, "GET", f"/v1/responses/{response_id}?stream=true").text)
+    assert [e["type"] for e in replayed] == [e["type"] for e in done]
+    tail = events_of(request(emulator, "GET", f"/v1/responses/{response_id}?stream=true&starting_after=3").text)
+    assert [e["sequence_number"] for e in tail] == list(range(4, len(done)))
+    foreground = request(emulator, "POST", "/v1/responses", {"model": "m", "input": "x"}).json()
+    assert request(emulator, "GET", f"/v1/responses/{foreground['id']}?stream=true").status_code == 404

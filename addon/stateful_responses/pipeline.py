@@ -8,6 +8,8 @@ from __future__ import annotations
 from .compaction.addon import Compaction
 from .counters import Counters
 from .forward.addon import ForwardMode
+from .background.addon import Background
+from .background.jobs import Jobs
 from .continuation.planner import Planner
 from .heap import FrozenStartupHeap
 from .logs import quiet_libraries
@@ -41,7 +43,9 @@ def make_addons() -> list:
     history = History(config)
     conversations = Conversations(config)
     index = ChainIndex(config)
-    state = StateStore(config, tenancy, upstreams, planner, history, conversations, index)
+    jobs = Jobs(config)
+    state = StateStore(config, tenancy, upstreams, planner, history, conversations, index, jobs)
+    background = Background(config, counters, tenancy, upstreams, state, jobs)
     replays = Replays(counters)
     proofs = Proofs(upstreams, replays, state, counters)
     record = ContinuationRecord(config, counters, tenancy, reader, state, index)
@@ -60,6 +64,7 @@ def make_addons() -> list:
         telemetry.start,  # before every capability: a request's time on the proxy starts here
         state,
         decoding,  # before every capability: a compressed request body is read plain
+        background,  # before the others plan: a background create it runs is answered, its job replayed through them
         record,  # lifts the client's own request, before any change
         router,  # picks the upstream the emulations, the bridge and forward mode plan for
         # before store and conversation emulation: what replaces a checked continuation's answer is what they record
@@ -75,6 +80,7 @@ def make_addons() -> list:
         decoding.encoded,  # after every change to a request: it goes upstream encoded as the client's
         router.answers,  # fails over after the ones above learned from the failed answer
         record.answers,  # records what the client got, after every change
+        background.answers,  # late: its tap of a job's answer wraps every other tap
         # after every addon that taps or replaces an answer: a socket turn's client gets what HTTP's would
         ClientWebSocket(config, counters, tenancy, upstreams, state),
         telemetry,  # counts what the flow's metadata says the others did, once all of them are done

@@ -82,13 +82,13 @@ def parse_emulate(name: str, value: object) -> str:
     raise SettingsError(f"{name}: expected one of {', '.join(EMULATE_MODES)}, got {value!r}")
 
 
-WEBSOCKET_MODES = ("off", "auto")
+OFF_AUTO = ("off", "auto")  # the capabilities that are on where the upstream lacks what they provide
 
 
-def parse_websocket(name: str, value: object) -> str:
-    if isinstance(value, str) and value.strip().lower() in WEBSOCKET_MODES:
+def parse_off_auto(name: str, value: object) -> str:
+    if isinstance(value, str) and value.strip().lower() in OFF_AUTO:
         return value.strip().lower()
-    raise SettingsError(f"{name}: expected one of {', '.join(WEBSOCKET_MODES)}, got {value!r}")
+    raise SettingsError(f"{name}: expected one of {', '.join(OFF_AUTO)}, got {value!r}")
 
 
 def parse_listen(name: str, value: object) -> str:
@@ -118,6 +118,7 @@ def listen_address(value: str) -> tuple[str, int]:
     """The host and port of a ``parse_listen`` value other than ``off``."""
     host, _, port = value.rpartition(":")
     return host.strip("[]"), int(port)
+
 
 
 def parse_store(name: str, value: object) -> str:
@@ -184,7 +185,7 @@ OPTIONS: dict[str, tuple[Any, Any, Any, str]] = {
         "so that a copy of the store alone opens nothing (default: the STATEFUL_RESPONSES_SEAL_KEY variable).",
     ),
     "stateful_upstream_websocket": (
-        parse_websocket, str, "auto",
+        parse_off_auto, str, "auto",
         "Full-history Responses requests continued over a WebSocket the proxy holds to the upstream (its "
         "WebSocket mode: no storage, the client's store kept): off, or auto (where the upstream accepts the "
         "upgrade; a refusal is remembered per upstream + credential and HTTP is used as before).",
@@ -206,7 +207,7 @@ OPTIONS: dict[str, tuple[Any, Any, Any, str]] = {
         "goes over HTTP if the client has no byte of it yet, else its stream breaks, as a dropped HTTP stream.",
     ),
     "stateful_compaction": (
-        parse_websocket, str, "auto",
+        parse_off_auto, str, "auto",
         "Compaction (/responses/compact, Codex's compaction_trigger, compaction items) where the upstream lacks "
         "it: auto (the proxy compacts with the upstream's own model, its items sealed per tenant), or off "
         "(passed as sent). Compacted histories are handled exactly either way.",
@@ -221,10 +222,24 @@ OPTIONS: dict[str, tuple[Any, Any, Any, str]] = {
         "say (needs the otel extra: pip install 'stateful-responses[otel]').",
     ),
     "stateful_client_websocket": (
-        parse_websocket, str, "auto",
+        parse_off_auto, str, "auto",
         "Serve the Responses API's WebSocket mode to clients (openai SDK connect(), openai-agents, Codex) of an "
         "upstream without it, each turn sent over HTTP: auto (where the upstream refuses the upgrade; learned per "
         "upstream + credential) or off (upgrades pass through untouched).",
+    ),
+    "stateful_background": (
+        parse_off_auto, str, "auto",
+        "Background responses (background: true) where the upstream has no background mode: auto (the proxy "
+        "runs, polls, cancels and resumes them; passed through where the upstream has the mode), or off.",
+    ),
+    "stateful_background_jobs_per_credential": (
+        parse_positive_int, int, 64,
+        "Background responses the proxy runs at once for one credential, over every replica (beyond: passed through).",
+    ),
+    "stateful_background_lease_s": (
+        parse_positive_int, int, 30,
+        "Seconds a background response the proxy runs stays in progress without a sign of life from its "
+        "proxy; then it is failed (its proxy died).",
     ),
     "stateful_debug": (parse_bool, bool, False, "Log one line per decision."),
 }
@@ -258,6 +273,9 @@ class Settings:
     metrics: str = "off"
     traces: str = "off"
     client_websocket: str = "auto"
+    background: str = "auto"
+    background_jobs_per_credential: int = 64
+    background_lease_s: int = 30
     debug: bool = False
 
     @classmethod

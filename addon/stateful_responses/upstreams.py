@@ -21,7 +21,9 @@ has no WebSocket mode; only this one lets forward mode force ``store`` on a
 ``store: false`` turn, never a verdict drawn from faults), ``has_compaction`` / ``lacks_compaction`` (it answered
 ``/responses/compact`` or a compaction trigger as the API does / answered the
 endpoint 404/405, refused a compaction item or trigger as unknown, or answered
-a trigger with no compaction item: see ``compaction/``). Each expires (a verdict drawn from faults sooner than the
+a trigger with no compaction item: see ``compaction/``), ``native_background`` (it answered a
+``background: true`` create in its own background mode) and ``lacks_background`` (it refused the field or
+answered such a create synchronously: the proxy runs its background responses). Each expires (a verdict drawn from faults sooner than the
 time to live: see ``mark``); setting one queues the write that shares it
 with every process using the store.
 """
@@ -43,7 +45,7 @@ MARKS = "marks"  # kind + scope -> when it expires
 
 MarkKind = Literal["reads_back", "unsupported", "no_forced_store", "honours_previous", "refuses_previous",
                    "has_conversations", "lacks_conversations", "refuses_websocket", "serves_responses",
-                   "lacks_websocket", "has_compaction", "lacks_compaction"]
+                   "lacks_websocket", "has_compaction", "lacks_compaction", "native_background", "lacks_background"]
 MARK_KINDS = frozenset(MarkKind.__args__)  # type: ignore[attr-defined]
 
 # Answers that say "not now", not "not this": the client's SDK retries them and

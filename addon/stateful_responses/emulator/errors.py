@@ -215,6 +215,13 @@ def response_in_progress(response_id: str, code: str = "conversation_already_has
                          " response is finished before creating a new one.", code=code)
 
 
+def background_unsupported() -> APIError:
+    """vLLM's answer to ``background: true`` without its response store (serving.py)."""
+    return APIError(400, "This vLLM engine does not support `store=True` and therefore does not support the "
+                         "background mode. To enable these features, set the environment variable "
+                         "`VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server.", param="background")
+
+
 def background_over_websocket() -> APIError:
     return APIError(400, "Unsupported parameter: 'background' is not supported in WebSocket mode.",
                     param="background", code="unsupported_parameter")

@@ -88,6 +88,9 @@ class Faults:
     think_ms: int = 0  # pause before a model call is answered (a real model's time to its first token)
     gzip: bool = False
     background_delay_ms: int = 200  # a background response's time from queued to finished
+    # An upstream without background mode: "refuse" (vLLM without its store: a 400 naming the field), "ignore"
+    # (a gateway that drops the field and answers synchronously). A ``stateless`` server ignores it too.
+    background: str | None = None
     read_rate_bytes_per_s: int = 0  # request bodies are read at this rate (0: as fast as they come)
     # "refuse": upgrades get 404, as without the mode; "unavailable": 503; "close": accepted, then closed before
     # any event (LiteLLM's native pass-through); "silent": never answered; "no_previous": a socket refuses
@@ -123,7 +126,7 @@ class Faults:
 
 
 SETTABLE = ("stateless", "ignore_previous", "conversations", "echo_store", "echo_previous", "input_items",
-            "refuse_store", "forget_probability", "slow_ms", "think_ms", "gzip", "background_delay_ms",
+            "refuse_store", "forget_probability", "slow_ms", "think_ms", "gzip", "background_delay_ms", "background",
             "read_rate_bytes_per_s", "websocket", "ws_lifetime_s", "numbered_ids", "ws_busy_code", "compaction",
             "ws_error_status")
 
@@ -282,6 +285,11 @@ class ResponsesModel:
         previous = body.get("previous_response_id")
         store = body.get("store", True)
         background = body.get("background") is True
+        if background and socket is None and self.faults.background == "refuse":
+            raise errors.background_unsupported()
+        if self.faults.background == "ignore" or self.faults.stateless is not None:
+            body = {key: value for key, value in body.items() if key != "background"}  # dropped, answered at once
+            background = False
         streamed = socket is not None or bool(body.get("stream"))  # a socket always streams
         generate = socket is None or body.get("generate") is not False  # a socket's warm-up generates nothing
         f = self.faults
@@ -607,6 +615,12 @@ class ResponsesModel:
         if stored is None:
             raise errors.response_not_found(response_id)
         return stored
+
+    def answers_background_at_once(self) -> bool:
+        """Whether ``background: true`` is answered without the model's time:
+        queued (honoured here), or refused when the request is validated (vLLM);
+        a server that drops or ignores the field answers it as any other."""
+        return self.faults.background in (None, "refuse") and self.faults.stateless is None
 
     def retrieve(self, credential: str, response_id: str) -> dict:
         """``GET /responses/{id}``: the response as it stands now."""

@@ -235,6 +235,8 @@ class _Handler(BaseHTTPRequestHandler):
                 raise errors.invalid_url("GET", self.path)
             if listing:
                 self._send_json(200, self.model.list_input_items(self._credential(), route.response_id, route.query))
+            elif route.query.get("stream") == "true":
+                self._resume(route)
             else:
                 self._send_json(200, self.model.retrieve(self._credential(), route.response_id))
         except APIError as e:
@@ -337,8 +339,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _create(self, body: bytes) -> None:
         parsed = _parsed(body)
         credential = self._credential()
-        if not (isinstance(parsed, dict) and parsed.get("background")):  # queued at once; it thinks in the background
-            self._think()
+        if not (isinstance(parsed, dict) and parsed.get("background") and self.model.answers_background_at_once()):
+            self._think()  # a background response is queued (or refused) at once; it thinks in the background
         response, fault = self.model.create(credential, parsed, len(body), self.raw_sha256,
                                              self.body_encoding)
         fault = fault or {}
@@ -359,6 +361,25 @@ class _Handler(BaseHTTPRequestHandler):
                 events = sse_events(response, fault.get("terminal_event"), obfuscation=obfuscation)
             self._stream(response["id"], (encode_event(event) for event in events), "text/event-stream; charset=utf-8",
                          fault)
+
+    def _resume(self, route: Route) -> None:
+        """``GET /responses/{id}?stream=true[&starting_after=N]``: a background
+        response's events from the first (or after ``N``), then each later one
+        as it comes, as the API replays a background stream. A response that
+        was not made in the background has no stream to replay (404, as the API
+        answers)."""
+        credential = self._credential()
+        current = self.model.retrieve(credential, route.response_id)
+        if not current["background"]:
+            raise errors.response_not_found(route.response_id)
+        after = route.query.get("starting_after")
+        if after is not None and not after.lstrip("-").isdigit():
+            raise errors.invalid_type("starting_after", "an integer", after)
+        first = int(after) + 1 if after is not None else 0
+        events = (event for event in self._follow_background(credential, current, True)
+                  if event["sequence_number"] >= first)
+        self._stream(route.response_id, (encode_event(event) for event in events),
+                     "text/event-stream; charset=utf-8", None)
 
     def _follow_background(self, credential: str, queued: dict, obfuscation: bool) -> Iterator[dict]:
         """A streamed background response's events: created and queued at once,

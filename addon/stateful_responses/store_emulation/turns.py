@@ -116,6 +116,11 @@ class Tenant:
         own = [t._own_keys(kind, name) for t in (self, *self.older)]
         return [tagged for tagged, _ in own] + [untagged for _, untagged in own]
 
+    def record_keys(self, kind: bytes, name: str) -> list[bytes]:
+        """Where a record of another capability's ``kind`` (a background job's, say) may be:
+        its key under the current secret first, then the older ones."""
+        return self._keys(kind, name)
+
     def turn_key(self, response_id: str) -> bytes:
         return self._own_keys(b"turn", response_id)[0]
 
