@@ -176,3 +176,35 @@ def start_mitmdump(upstream: str, *extra: str, mode: str | None = None, script: 
     return Proxy(mitmdump_args(mode or f"reverse:{upstream}", port, confdir, *extra, script=script,
                                upstream_websocket=upstream_websocket),
                  port, confdir, owns_confdir=owns, preexec_fn=preexec_fn).ready()
+
+
+NPM_OFFLINE_CODES = ("ENOTFOUND", "EAI_AGAIN", "ECONNREFUSED", "ECONNRESET", "ETIMEDOUT", "ENETUNREACH")
+
+
+def npm_installed(directory: Path) -> Path:
+    """``directory`` with its locked npm packages installed by ``npm ci``, once for as long as its lock is
+    unchanged. Test workers run side by side and several modules share a directory (tests/codex,
+    tests/node): a file lock makes the others wait for the one install, which they would otherwise tear
+    down under each other (``npm ci`` starts by deleting node_modules). Skips (pytest) without Node.js or
+    when the registry is unreachable; any other failure fails."""
+    import fcntl
+    import hashlib
+
+    import pytest
+
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("Node.js (node and npm) is not installed")
+    lock = directory / "package-lock.json"
+    stamp = directory / "node_modules" / f".installed-{hashlib.sha256(lock.read_bytes()).hexdigest()[:16]}"
+    with open(directory / ".npm-install.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        if not stamp.exists():
+            result = subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=directory, capture_output=True,
+                                    text=True, timeout=600)
+            if result.returncode != 0:
+                offline = [line for line in result.stderr.splitlines() if any(c in line for c in NPM_OFFLINE_CODES)]
+                if offline:
+                    pytest.skip(f"npm ci could not reach the registry: {offline[0]}")
+                pytest.fail(f"npm ci failed:\n{result.stderr[-3000:]}")
+            stamp.touch()
+    return directory

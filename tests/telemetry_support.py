@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -75,8 +76,12 @@ class PrometheusServer:
         """Until the proxy's target was scraped and found up."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if [r for r in self.query("up") if r["value"][1] == "1"]:
-                return
+            try:
+                if [r for r in self.query("up") if r["value"][1] == "1"]:
+                    return
+            except urllib.error.HTTPError as error:
+                if error.code != 503:  # 503: its storage is still starting (a loaded machine takes seconds)
+                    raise
             time.sleep(0.5)
         raise AssertionError("prometheus never scraped the proxy")
 

@@ -7,30 +7,21 @@ the turn continuing it goes upstream over HTTP with the warm-up's items first.""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from harness import npm_installed
 from stateful_responses.emulator import Emulator
-from test_node_clients_integration import OFFLINE_CODES
 
 CODEX_DIR = Path(__file__).with_name("codex")
 
 
 @pytest.fixture(scope="session")
 def codex() -> Path:
-    """The Codex CLI from ``tests/codex``'s lock (``npm ci``, once a session); skips without Node.js or the registry."""
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.skip("Node.js (node and npm) is not installed")
-    result = subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=CODEX_DIR, capture_output=True, text=True,
-                            timeout=600)
-    if result.returncode != 0:
-        offline = [line for line in result.stderr.splitlines() if any(code in line for code in OFFLINE_CODES)]
-        if offline:
-            pytest.skip(f"npm ci could not reach the registry: {offline[0]}")
-        pytest.fail(f"npm ci failed:\n{result.stderr[-3000:]}")
-    return CODEX_DIR / "node_modules" / ".bin" / "codex"
+    """The Codex CLI from ``tests/codex``'s lock (``npm ci``, once, shared with the other Codex tests); skips
+    without Node.js or the registry."""
+    return npm_installed(CODEX_DIR) / "node_modules" / ".bin" / "codex"
 
 
 def codex_exec(codex: Path, base_url: str, home: Path, prompt: str) -> subprocess.CompletedProcess:

@@ -8,30 +8,20 @@ Codex goes on with the proxy's item, which the upstream gets as its summary."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from harness import npm_installed
 
 CODEX_DIR = Path(__file__).parent / "codex"
-OFFLINE = ("ENOTFOUND", "EAI_AGAIN", "ECONNREFUSED", "ETIMEDOUT", "ENETUNREACH")
 
 
 @pytest.fixture(scope="session")
 def codex() -> str:
-    """The Codex CLI, installed once a session by ``npm ci``; skips without Node.js or the registry."""
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.skip("Node.js (node and npm) is not installed")
-    binary = CODEX_DIR / "node_modules" / ".bin" / "codex"
-    if not binary.exists():
-        result = subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=CODEX_DIR, capture_output=True,
-                                text=True, timeout=600)
-        if result.returncode != 0:
-            if offline := [code for code in OFFLINE if code in result.stderr]:
-                pytest.skip(f"npm ci could not reach the registry: {offline[0]}")
-            pytest.fail(f"npm ci failed:\n{result.stderr[-3000:]}")
-    return str(binary)
+    """The Codex CLI, installed by ``npm ci`` (once, shared with the other Codex tests); skips without Node.js or
+    the registry."""
+    return str(npm_installed(CODEX_DIR) / "node_modules" / ".bin" / "codex")
 
 
 def run_session(codex: str, proxy, home: Path, prompts: list[str]) -> list[subprocess.CompletedProcess]:

@@ -198,5 +198,6 @@ def test_a_mitmproxy_without_a_dependency_exits_with_the_command_that_installs_i
     output = result.stdout + result.stderr
     assert result.returncode == 1, output
     assert output.count(f"stateful-responses needs the Python package {package!r}") == 1, output
-    assert f"`{sys.executable} -m pip install '{package}" in output, output  # this environment's own pip
+    distribution = package.replace("_", "-")  # pip's name for it
+    assert f"`{sys.executable} -m pip install '{distribution}" in output, output  # this environment's own pip
     assert "Traceback" not in output

@@ -9,18 +9,16 @@ upstream bytes stay within 1.05x of the delta-only limit."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from harness import npm_installed
 from driver import drop_nulls, expand_input, meaning
 
 NODE_DIR = Path(__file__).with_name("node")
 TURNS = 12  # 12 user turns, 4 of them with a tool call: 16 requests
 MAX_BYTES_RATIO = 1.05
-# npm's error codes when the registry cannot be reached
-OFFLINE_CODES = ("ENOTFOUND", "EAI_AGAIN", "ECONNREFUSED", "ECONNRESET", "ETIMEDOUT", "ENETUNREACH")
 
 
 @pytest.fixture(scope="session")
@@ -28,16 +26,7 @@ def node_clients() -> Path:
     """``tests/node`` with its locked packages installed by ``npm ci``, once a
     session. Skips when Node.js is missing or the npm registry is unreachable;
     any other install failure is an error."""
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.skip("Node.js (node and npm) is not installed")
-    result = subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR,
-                            capture_output=True, text=True, timeout=600)
-    if result.returncode != 0:
-        offline = [line for line in result.stderr.splitlines() if any(code in line for code in OFFLINE_CODES)]
-        if offline:
-            pytest.skip(f"npm ci could not reach the registry: {offline[0]}")
-        pytest.fail(f"npm ci failed:\n{result.stderr[-3000:]}")
-    return NODE_DIR
+    return npm_installed(NODE_DIR)
 
 
 def run_driver(node_dir: Path, script: str, proxy, *options: str) -> dict:
