@@ -183,12 +183,28 @@ def meaning(item: Any) -> Any:
     return out
 
 
+def client_turns(log: list[dict]) -> list[dict]:
+    """The upstream's records of the client's turns: each request that made a
+    context, less the proxy's comparisons (a continuation whose chain holds an
+    item kind the upstream has not shown it keeps is sent whole too, right
+    after, to compare their input tokens: the same context, not continued)."""
+    turns: list[dict] = []
+    for record in log:
+        if "context" not in record:
+            continue
+        if turns and turns[-1].get("continued") and not record.get("continued") \
+                and meaning(record["context"]) == meaning(turns[-1]["context"]):
+            continue
+        turns.append(record)
+    return turns
+
+
 def assert_context_preserved(sent: list[Sent], log: list[dict], reshaped: bool = False) -> None:
     """For every request: the upstream's effective context == the client's input
     (exactly, nulls aside; or in meaning, for clients that re-shape items)."""
-    upstream = [r for r in log if "context" in r]
-    assert len(upstream) == len(sent), (len(upstream), len(sent))
     same = meaning if reshaped else drop_nulls
+    upstream = client_turns(log)
+    assert len(upstream) == len(sent), (len(upstream), len(sent))
     for n, (client, seen) in enumerate(zip(sent, upstream, strict=True)):
         expected = same(expand_input(client.body["input"]))
         assert same(seen["context"]) == expected, f"request {n}: upstream context differs from the client's input"

@@ -26,7 +26,17 @@ from ..request_reader import Reader, Reading, Request, Skip, splice
 from ..settings import Config, Settings
 from ..state.outbox import Outbox, Write
 from ..tenancy import Tenancy
-from ..upstreams import TRANSIENT_STATUSES, UNAVAILABLE_STATUSES, Upstreams, echo_verdict
+from ..upstreams import (
+    TRANSIENT_STATUSES,
+    UNAVAILABLE_STATUSES,
+    Upstreams,
+    Usage,
+    chain_fell_short,
+    echo_verdict,
+    item_kind,
+    kind_scope,
+    usage_of,
+)
 from .prefixes import ENTRIES, REFS, Match, PrefixStore, StoredEntry, encode_entry
 
 Action = Literal["pass", "full", "continue"]
@@ -53,6 +63,11 @@ class Plan:
     # A continuation the upstream + credential has not yet shown it honours, in store emulation's always mode:
     # its answer is held and checked, and the client's full body goes again unless it was made from the chain.
     checked: bool = False
+    # Item kinds of the chain continued from that the upstream + credential has not yet shown it feeds back: the
+    # held answer is compared with the same turn sent whole (forward mode's check) before the client has it.
+    verify: frozenset[str] = frozenset()
+    chain_kinds: frozenset[str] = frozenset()  # the kinds of the chain continued from
+    context: bytes = b""  # what the count of every turn holds besides its items: instructions, tools
     draft: _Draft | None = field(default=None, repr=False)  # what improving the plan from the store needs
     root: bytes = field(default=b"", repr=False)  # the namespace's root digest
     counted: bool = field(default=True, repr=False)  # in the counters (the transport that carries it counts)
@@ -90,12 +105,46 @@ class _Draft:
 class Outcome:
     """What one answer taught the store, for logs, counters and the flow."""
 
-    kind: Literal["advanced", "dropped", "unsupported", "ignored", "unverified", "retry", "transient", "pending"]
+    kind: Literal["advanced", "dropped", "unsupported", "ignored", "unverified", "retry", "transient", "pending",
+                  "lossy"]
     detail: str
     response_id: str | None = None
 
 
 _ABSENT = object()
+# Fields whose tokens every turn is billed for besides its items: a continuation's count is comparable with its
+# parent's only when they are the same (and "truncation": "auto" lets a faithful server drop items).
+_CONTEXT_FIELDS = ("instructions", "tools", "truncation")
+
+
+class _Kind(msgspec.Struct):
+    type: Any = None
+    role: Any = None
+
+
+_KIND = msgspec.json.Decoder(_Kind)
+
+
+def _kinds(raw_items: list[bytes]) -> list[str]:
+    """Each item's kind (``upstreams.item_kind``)."""
+    kinds = []
+    for raw in raw_items:
+        try:
+            probe = _KIND.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            kinds.append("?")
+            continue
+        kinds.append(item_kind(probe.type, probe.role))
+    return kinds
+
+
+@dataclass(frozen=True)
+class _Counted:
+    """An answer's usage, kept so that a continuation of it can be checked."""
+
+    usage: Usage
+    output_items: int
+    context: bytes
 
 
 @dataclass
@@ -114,6 +163,8 @@ class Planner:
     refs: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)
     # Background responses still running: their plans wait for the poll that finds them finished.
     background: Bounded = field(default_factory=lambda: Bounded(4096), repr=False)
+    # Answers' usage by response id (this process's memory: a continuation of one it lacks is not checked).
+    usages: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)
     _outbox: Outbox = field(default_factory=Outbox, repr=False)
 
     tables = {ENTRIES: 1_000_000, REFS: 1_000_000}
@@ -228,13 +279,29 @@ class Planner:
             plan.reason = "full; the request does not ask to store"
         if not rewrite:
             return plan
-        match = self.store.deepest(prefixes, now)
+        plan.context = blake3(b"\x00".join(bytes(body[name]) if name in body else b"-" for name in _CONTEXT_FIELDS),
+                              key=self.tenancy.secret).digest(16)
+        kept = self._kept_length(scope, raw_items, len(digests))
+        match = self.store.deepest(prefixes if kept == len(digests) else prefixes[: kept + 1], now) if kept else None
+        if kept < len(digests):
+            plan.reason = "full; the upstream's stored chain drops items of this conversation"
         if match is not None and not self.upstreams.has("reads_back", scope):
             match, plan.reason = None, "full; the upstream has not yet read a stored response back"
         plan.draft = _Draft(request.body, body, raw_items, force, match.length if match else 0, unresolved, checkable)
         self._shape(plan, match)
         self._count(plan)
         return plan
+
+    def _kept_length(self, scope: str, raw_items: list[bytes] | None, total: int) -> int:
+        """How many of the request's first items a continuation may leave to
+        the upstream's chain: those before the first of a kind its chain was
+        found to drop."""
+        if raw_items is None:
+            return total
+        for i, kind in enumerate(_kinds(raw_items)):
+            if self.upstreams.drops(scope, kind):
+                return i
+        return total
 
     def _ref_key(self, root: bytes, item_id: str) -> bytes:
         return blake3(root + b"\x00ref\x00" + item_id.encode("utf-8", "surrogatepass"),
@@ -282,6 +349,13 @@ class Planner:
             match, plan.reason = None, "full; a continuation to check, of an answer that cannot be held"
         if match is not None:
             assert draft.raw_items is not None  # a string input is one item and never extends anything
+            plan.chain_kinds = frozenset(_kinds(draft.raw_items[: match.length]))
+            plan.verify = self.upstreams.unverified(plan.scope, plan.chain_kinds)
+            if plan.verify and not draft.checkable:
+                match, plan.reason = None, "full; a continuation to compare, of an answer that cannot be held"
+                plan.chain_kinds = plan.verify = frozenset()
+        if match is not None:
+            assert draft.raw_items is not None
             changes["input"] = b"[" + b",".join(draft.raw_items[match.length :]) + b"]"
             changes["previous_response_id"] = json.dumps(match.response_id).encode()
             plan.action = "continue"
@@ -289,7 +363,7 @@ class Planner:
             plan.previous_response_id = match.response_id
             plan.parent = match.digest
             plan.items_sent = plan.items_total - match.length
-            plan.checked = checked
+            plan.checked = checked or bool(plan.verify)
         if draft.force_store:
             changes["store"] = b"true"
         plan.body = splice(draft.request_body, draft.fields, changes) if changes else None
@@ -310,7 +384,8 @@ class Planner:
         if not found or plan.sequence is None or not self.upstreams.has("reads_back", plan.scope):
             return
         now, prefixes = self.config.clock(), plan.sequence.digests
-        for k in range(len(prefixes) - 1, 0, -1):
+        kept = self._kept_length(plan.scope, plan.draft.raw_items if plan.draft else None, len(prefixes))
+        for k in range(min(len(prefixes) - 1, kept), 0, -1):
             entry = found.get(prefixes[k - 1])
             if entry is None or entry.length != k or entry.scope != plan.scope or entry.expires <= now:
                 continue
@@ -403,6 +478,10 @@ class Planner:
                 return Outcome("ignored", "the answer does not echo previous_response_id: it proves nothing", rid)
             return Outcome("unverified", "the answer does not echo previous_response_id: nothing is built on it "
                            "until the upstream shows it read the chain", rid)
+        usage = usage_of(response)
+        if plan.action == "continue" and self._fell_short(plan, usage):
+            return Outcome("lossy", "the answer was fed less than its chain holds: the upstream's stored chain drops "
+                           f"items ({', '.join(sorted(plan.chain_kinds)) or 'of some kind'})", rid)
         stored = response.get("store")
         if not isinstance(stored, bool):
             # An answer that does not say (agentic-api's) is taken as asked: nothing is continued from it before
@@ -428,11 +507,38 @@ class Planner:
                 key = self._ref_key(plan.root, item["id"])
                 self.refs.put(key, item_digest_)
                 self._outbox.append(Write(REFS, key, item_digest_, self.config.ttl))
+        if usage is not None:
+            self.usages.put(rid, _Counted(usage, len(output), plan.context))
         length, expires = plan.items_total + len(output), self.config.clock() + self.config.ttl
         self.store.remember(digest, length, rid, plan.parent, plan.scope, expires)
         entry = encode_entry(StoredEntry(rid, length, plan.scope, expires))
         self._outbox.append(Write(ENTRIES, digest, entry, self.config.ttl))
         return Outcome("advanced", f"stores {plan.items_total + len(output)} items", rid)
+
+    def _fell_short(self, plan: Plan, usage: Usage | None) -> bool:
+        """Whether a continuation's answer shows the upstream fed the model
+        less than the chain it continued holds (``chain_fell_short``), judged
+        only against a parent whose usage this process saw, with the same
+        instructions and tools. The chain's kinds not yet shown kept are then
+        marked dropped (all of them when every one was: the chain is lossy and
+        nothing tells which), and its continuations go whole from then on."""
+        parent = self.usages.get(plan.previous_response_id)
+        if usage is None or parent is None or parent.context != plan.context \
+                or not chain_fell_short(parent.usage, usage, parent.output_items):
+            return False
+        self.judge_chain(plan, kept=False)
+        return True
+
+    def judge_chain(self, plan: Plan, kept: bool) -> list[str]:
+        """What a continuation showed of the upstream's stored chain: that it
+        keeps the kinds ``plan`` was compared for, or that it drops them (or,
+        with none compared, what it was not known to keep: the plain kinds
+        too); the kinds newly marked."""
+        if kept:
+            return self.upstreams.judge_items(plan.scope, plan.verify, kept=True)
+        suspects = plan.verify or [k for k in plan.chain_kinds
+                                   if not self.upstreams.has("keeps_items", kind_scope(plan.scope, k))]
+        return self.upstreams.judge_items(plan.scope, suspects or plan.chain_kinds, kept=False)
 
     def _observe(self, plan: Plan, status_code: int, response: Any) -> Outcome:
         """A client's own continuation: an answer that echoes its
