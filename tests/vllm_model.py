@@ -5,8 +5,8 @@ here on a few sentences, and a chat template that renders tools, tool calls and 
 the way Hermes-style models do (``<tool_call>`` … ``</tool_call>``, which vLLM's ``hermes``
 parser needs in the vocabulary). Nothing is downloaded; it takes a few seconds.
 
-The model says nothing sensible, but at temperature 0 it says the same thing every run, and
-vLLM counts every token it is fed: the tests compare ``usage.input_tokens``."""
+The model answers every turn with one sentence (``answer_in_turns``), and vLLM counts every
+token it is fed: the tests compare ``usage.input_tokens``."""
 
 from __future__ import annotations
 
@@ -79,8 +79,34 @@ def build(directory: Path) -> None:
                          num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=8192,
                          bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
                          pad_token_id=fast.pad_token_id, tie_word_embeddings=False, torch_dtype="float32")
-    LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    model = LlamaForCausalLM(config)
+    answer_in_turns(model, fast)
+    model.save_pretrained(directory, safe_serialization=True)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": fast.eos_token_id}))
+
+
+ANSWER = "The weather is sunny."
+
+
+def answer_in_turns(model, tokenizer) -> None:
+    """Make every answer ``ANSWER`` and its end: the layers add nothing (their
+    output projections zero), so each next token is read off the last one's
+    embedding alone, and the unembedding maps the generation prompt's last
+    token to the answer's first, each of its tokens to the next, the last to
+    the end of the turn. Answers then complete (a random model would run to
+    its token limit, and an incomplete answer is continued from by no one)."""
+    import torch
+
+    prompt_end = tokenizer("<|im_start|>assistant\n")["input_ids"][-1]
+    chain = [prompt_end, *tokenizer(ANSWER)["input_ids"], tokenizer.eos_token_id]
+    assert len(set(chain)) == len(chain), chain
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embeddings, unembedding = model.model.embed_tokens.weight, model.lm_head.weight
+        for before, after in zip(chain, chain[1:]):
+            unembedding[after] = 10 * embeddings[before] / embeddings[before].norm()
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+import msgspec
+
 from .settings import Config
 from .state.outbox import Outbox, Write
 from .tenancy import Tenancy
@@ -148,6 +150,27 @@ def item_kind(item_type: object, role: object) -> str:
     return f"{kind}:{role}" if kind == "message" and isinstance(role, str) else kind
 
 
+class _Kind(msgspec.Struct):
+    type: object = None
+    role: object = None
+
+
+_KIND = msgspec.json.Decoder(_Kind)
+
+
+def item_kinds(raw_items: Iterable[bytes]) -> list[str]:
+    """Each raw item's kind (``item_kind``; ``?`` for one that does not read)."""
+    kinds = []
+    for raw in raw_items:
+        try:
+            probe = _KIND.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            kinds.append("?")
+            continue
+        kinds.append(item_kind(probe.type, probe.role))
+    return kinds
+
+
 def kind_scope(scope: str, kind: str) -> str:
     """The scope of a verdict about one item kind."""
     return f"{scope}\x00{kind}"
@@ -203,6 +226,12 @@ class Upstreams:
     def drops(self, scope: str, kind: str) -> bool:
         """Whether this upstream + credential's stored chain lost ``kind`` items."""
         return self.has("drops_items", kind_scope(scope, kind))
+
+    def drops_any(self, scope: str) -> bool:
+        """Whether this upstream + credential's chain was found to drop any kind."""
+        now = self.config.clock()
+        return any(kind == "drops_items" and marked.startswith(scope + "\x00") and expires > now
+                   for (kind, marked), expires in self._expires.items())
 
     def unverified(self, scope: str, kinds: Iterable[str]) -> frozenset[str]:
         """The kinds of ``kinds`` a continuation must still be compared for."""

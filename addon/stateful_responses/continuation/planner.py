@@ -33,7 +33,7 @@ from ..upstreams import (
     Usage,
     chain_fell_short,
     echo_verdict,
-    item_kind,
+    item_kinds,
     kind_scope,
     usage_of,
 )
@@ -66,7 +66,7 @@ class Plan:
     # Item kinds of the chain continued from that the upstream + credential has not yet shown it feeds back: the
     # held answer is compared with the same turn sent whole (forward mode's check) before the client has it.
     verify: frozenset[str] = frozenset()
-    chain_kinds: frozenset[str] = frozenset()  # the kinds of the chain continued from
+    chain_kinds: frozenset[str] = frozenset()  # the item kinds of a continued request, its chain's and new
     context: bytes = b""  # what the count of every turn holds besides its items: instructions, tools
     draft: _Draft | None = field(default=None, repr=False)  # what improving the plan from the store needs
     root: bytes = field(default=b"", repr=False)  # the namespace's root digest
@@ -115,27 +115,6 @@ _ABSENT = object()
 # Fields whose tokens every turn is billed for besides its items: a continuation's count is comparable with its
 # parent's only when they are the same (and "truncation": "auto" lets a faithful server drop items).
 _CONTEXT_FIELDS = ("instructions", "tools", "truncation")
-
-
-class _Kind(msgspec.Struct):
-    type: Any = None
-    role: Any = None
-
-
-_KIND = msgspec.json.Decoder(_Kind)
-
-
-def _kinds(raw_items: list[bytes]) -> list[str]:
-    """Each item's kind (``upstreams.item_kind``)."""
-    kinds = []
-    for raw in raw_items:
-        try:
-            probe = _KIND.decode(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            kinds.append("?")
-            continue
-        kinds.append(item_kind(probe.type, probe.role))
-    return kinds
 
 
 @dataclass(frozen=True)
@@ -281,10 +260,10 @@ class Planner:
             return plan
         plan.context = blake3(b"\x00".join(bytes(body[name]) if name in body else b"-" for name in _CONTEXT_FIELDS),
                               key=self.tenancy.secret).digest(16)
-        kept = self._kept_length(scope, raw_items, len(digests))
-        match = self.store.deepest(prefixes if kept == len(digests) else prefixes[: kept + 1], now) if kept else None
-        if kept < len(digests):
-            plan.reason = "full; the upstream's stored chain drops items of this conversation"
+        dropped = self._dropped_kind(scope, raw_items)
+        match = self.store.deepest(prefixes, now) if dropped is None else None
+        if dropped is not None:
+            plan.reason = f"full; the upstream's stored chain drops or reshapes {dropped} items"
         if match is not None and not self.upstreams.has("reads_back", scope):
             match, plan.reason = None, "full; the upstream has not yet read a stored response back"
         plan.draft = _Draft(request.body, body, raw_items, force, match.length if match else 0, unresolved, checkable)
@@ -292,16 +271,15 @@ class Planner:
         self._count(plan)
         return plan
 
-    def _kept_length(self, scope: str, raw_items: list[bytes] | None, total: int) -> int:
-        """How many of the request's first items a continuation may leave to
-        the upstream's chain: those before the first of a kind its chain was
-        found to drop."""
-        if raw_items is None:
-            return total
-        for i, kind in enumerate(_kinds(raw_items)):
-            if self.upstreams.drops(scope, kind):
-                return i
-        return total
+    def _dropped_kind(self, scope: str, raw_items: list[bytes] | None) -> str | None:
+        """An item kind of the request that the upstream's stored chain was
+        found to drop or feed otherwise than sent whole: such a conversation is
+        never continued (an item of that kind in the chain is lost; sent as a
+        new item after it, vLLM renders a function call apart from the
+        assistant message before it)."""
+        if raw_items is None or not self.upstreams.drops_any(scope):
+            return None
+        return next((kind for kind in item_kinds(raw_items) if self.upstreams.drops(scope, kind)), None)
 
     def _ref_key(self, root: bytes, item_id: str) -> bytes:
         return blake3(root + b"\x00ref\x00" + item_id.encode("utf-8", "surrogatepass"),
@@ -349,7 +327,7 @@ class Planner:
             match, plan.reason = None, "full; a continuation to check, of an answer that cannot be held"
         if match is not None:
             assert draft.raw_items is not None  # a string input is one item and never extends anything
-            plan.chain_kinds = frozenset(_kinds(draft.raw_items[: match.length]))
+            plan.chain_kinds = frozenset(item_kinds(draft.raw_items))  # the new items too: how they join the chain
             plan.verify = self.upstreams.unverified(plan.scope, plan.chain_kinds)
             if plan.verify and not draft.checkable:
                 match, plan.reason = None, "full; a continuation to compare, of an answer that cannot be held"
@@ -384,8 +362,9 @@ class Planner:
         if not found or plan.sequence is None or not self.upstreams.has("reads_back", plan.scope):
             return
         now, prefixes = self.config.clock(), plan.sequence.digests
-        kept = self._kept_length(plan.scope, plan.draft.raw_items if plan.draft else None, len(prefixes))
-        for k in range(min(len(prefixes) - 1, kept), 0, -1):
+        if self._dropped_kind(plan.scope, plan.draft.raw_items if plan.draft else None) is not None:
+            return
+        for k in range(len(prefixes) - 1, 0, -1):
             entry = found.get(prefixes[k - 1])
             if entry is None or entry.length != k or entry.scope != plan.scope or entry.expires <= now:
                 continue

@@ -69,7 +69,7 @@ from ..answer_reader import AnswerReader
 from ..state.access import StateAccess
 from ..state.storage import StorageError
 from ..tenancy import Tenancy, credential_material
-from ..upstreams import TRANSIENT_STATUSES, UNAVAILABLE_STATUSES, Upstreams, echo_verdict
+from ..upstreams import TRANSIENT_STATUSES, UNAVAILABLE_STATUSES, Upstreams, echo_verdict, item_kinds
 from .conversations import (
     ApiError,
     Call,
@@ -239,7 +239,8 @@ class StoreEmulation:
             if record.record_turn:
                 await self.history.forget_gone_bases(record.tenant, record.raw_input, self.state.get)
             return
-        if self.mode == "auto" and not await self._upstream_cannot_have(record):
+        if self.mode == "auto" and not await self._upstream_cannot_have(record) \
+                and not await self._chain_in_doubt(record):
             flow.metadata[EMULATION] = {"previous_response_id": previous, "expanded": False}
             return  # sent as it is; a refusal naming it is retried expanded
         try:
@@ -274,6 +275,22 @@ class StoreEmulation:
         except StorageError:
             return False
         return turn is not None and not turn.header.stored_upstream
+
+    async def _chain_in_doubt(self, record: _Flow) -> bool:
+        """In auto mode: whether the upstream's stored chain may not feed the
+        model what this turn holds: an item kind it was found to drop, or one
+        it has not yet shown it keeps (``Upstreams.unverified``). Such a turn
+        is expanded: forward mode then sends it whole, or continues it held and
+        compared with the turn sent whole. A chain the record cannot read
+        leaves it to the upstream, as before."""
+        assert record.previous_response_id is not None
+        try:
+            context = await self.history.context(record.tenant, record.previous_response_id, self.state.get_strict)
+        except (StorageError, ChainError):
+            return False
+        kinds = item_kinds(context + record.raw_input)
+        return any(self.upstreams.drops(record.scope, kind) for kind in kinds) \
+            or bool(self.upstreams.unverified(record.scope, kinds))
 
     async def _expand(self, reading: Reading, record: _Flow) -> tuple[bytes, int]:
         """The client's body with the chain its previous_response_id names in
