@@ -5,6 +5,7 @@
 #   MITMPROXY a pip requirement for mitmproxy (default: mitmproxy>=11)
 #   WITH_LITELLM=1 also installs LiteLLM's proxy (scripts/install-litellm)
 #   WITH_AGENTIC_API=1 also installs vLLM's agentic-api (scripts/install-agentic-api)
+#   WITH_VLLM=1 also installs vLLM itself (scripts/install-vllm)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
@@ -60,5 +61,10 @@ fi
 if [ "${WITH_AGENTIC_API:-}" = 1 ] && ! "$ROOT/scripts/install-agentic-api"; then
     [ "${CI:-}" = true ] && exit 1
     echo "agentic-api could not be installed: tests/test_agentic_api.py will be skipped" >&2
+fi
+# vLLM itself, the upstream of tests/test_vllm.py (WITH_VLLM=1): alike.
+if [ "${WITH_VLLM:-}" = 1 ] && ! "$ROOT/scripts/install-vllm"; then
+    [ "${CI:-}" = true ] && exit 1
+    echo "vLLM could not be installed: tests/test_vllm.py will be skipped" >&2
 fi
 export PATH="$VENV/bin:$PATH"

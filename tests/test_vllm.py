@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import pytest
@@ -136,20 +137,30 @@ def test_previous_response_id_clients_get_the_whole_context(vllm, start_proxy, e
         assert through == direct
 
 
-def test_background_passes_through(vllm, start_proxy):
-    proxy = start_proxy(vllm.url)
+def test_background_passes_through_and_its_answer_is_continued(vllm, start_proxy):
+    """vLLM runs background responses with its store: the proxy passes the
+    create and the polls, learns from the poll that finds it finished, and the
+    next turn is continued from it with the same count as sent whole."""
+    proxy = start_proxy(vllm.url, "--set", "stateful_debug=true")
+    history = [user("Hello there")]
     with httpx.Client(base_url=proxy.url, timeout=60, trust_env=False,
                       headers={"authorization": "Bearer sk-background"}) as c:
-        created = c.post("/v1/responses", json={"model": MODEL, "input": "Hello", "background": True,
-                                                "max_output_tokens": 4, "temperature": 0})
+        created = c.post("/v1/responses", json={"model": MODEL, "input": history, "background": True,
+                                                "temperature": 0})
         assert created.status_code == 200, created.text
-        assert created.json()["status"] in ("queued", "in_progress", "completed")
-        for _ in range(600):
+        assert created.json()["status"] in ("queued", "in_progress")
+        for _ in range(1200):
             polled = c.get(f"/v1/responses/{created.json()['id']}")
             if polled.json()["status"] == "completed":
                 break
+            time.sleep(0.05)
         assert polled.json()["status"] == "completed"
-        assert polled.json()["usage"]["input_tokens"] > 0
+        history += polled.json()["output"] + [user("And now?")]
+        answer = c.post("/v1/responses", json={"model": MODEL, "input": history, "temperature": 0})
+    direct = httpx.post(f"{vllm.url}/v1/responses", json={"model": MODEL, "input": history, "temperature": 0},
+                        timeout=60, headers={"authorization": "Bearer sk-background"})
+    assert answer.json()["usage"]["input_tokens"] == direct.json()["usage"]["input_tokens"]
+    assert continued(proxy) == 1
 
 
 def test_after_a_restart_without_its_store(vllm, start_proxy):
