@@ -183,20 +183,27 @@ def meaning(item: Any) -> Any:
     return out
 
 
+def without_comparisons(log: list[dict]) -> list[dict]:
+    """The upstream's log less the proxy's comparisons: a continuation whose
+    conversation holds an item kind the upstream has not shown it keeps is sent
+    whole too, right after, to compare their input tokens (the same context,
+    not continued)."""
+    kept: list[dict] = []
+    last: dict | None = None  # the last record that made a context
+    for record in log:
+        if "context" in record and last is not None and last.get("continued") and not record.get("continued") \
+                and meaning(record["context"]) == meaning(last["context"]):
+            continue
+        kept.append(record)
+        if "context" in record:
+            last = record
+    return kept
+
+
 def client_turns(log: list[dict]) -> list[dict]:
     """The upstream's records of the client's turns: each request that made a
-    context, less the proxy's comparisons (a continuation whose chain holds an
-    item kind the upstream has not shown it keeps is sent whole too, right
-    after, to compare their input tokens: the same context, not continued)."""
-    turns: list[dict] = []
-    for record in log:
-        if "context" not in record:
-            continue
-        if turns and turns[-1].get("continued") and not record.get("continued") \
-                and meaning(record["context"]) == meaning(turns[-1]["context"]):
-            continue
-        turns.append(record)
-    return turns
+    context, less the proxy's comparisons."""
+    return [r for r in without_comparisons(log) if "context" in r]
 
 
 def assert_context_preserved(sent: list[Sent], log: list[dict], reshaped: bool = False) -> None:

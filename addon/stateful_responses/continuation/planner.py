@@ -192,14 +192,17 @@ class Planner:
         return h.digest()
 
     def plan(self, request: Request, *, rewrite: bool = True, checkable: bool = True,
-             websocket_mode: bool = False, count: bool = True) -> Plan:
+             websocket_mode: bool = False, count: bool = True, stored_chain: tuple[str, int] | None = None) -> Plan:
         """Decide what to send. With ``rewrite=False`` (our own retry of a
         client's original body) nothing is changed, only tracked. With
         ``checkable=False`` (an answer that must stream as it comes) a
         continuation that would have to be checked goes full instead.
         ``websocket_mode``: whether the WebSocket bridge runs for the request's
         proxy mode (the glue says; it does not in ``--mode upstream:``).
-        ``count=False``: another transport counts what it sends (the bridge)."""
+        ``count=False``: another transport counts what it sends (the bridge).
+        ``stored_chain``: (response id, new items) of a chain store emulation
+        expanded that the upstream stores: continued from unless memory holds
+        a deeper prefix."""
         reading = self.reader.read(request, count=rewrite and count)
         if isinstance(reading, Skip):
             return Plan("pass", reading.reason, reading.upstream, reading.model)
@@ -262,6 +265,10 @@ class Planner:
                               key=self.tenancy.secret).digest(16)
         dropped = self._dropped_kind(scope, raw_items)
         match = self.store.deepest(prefixes, now) if dropped is None else None
+        if stored_chain is not None and dropped is None and 0 < stored_chain[1] < len(digests) \
+                and (match is None or match.length < len(digests) - stored_chain[1]):
+            length = len(digests) - stored_chain[1]
+            match = Match(prefixes[length - 1], stored_chain[0], length)
         if dropped is not None:
             plan.reason = f"full; the upstream's stored chain drops or reshapes {dropped} items"
         if match is not None and not self.upstreams.has("reads_back", scope):

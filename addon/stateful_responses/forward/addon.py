@@ -12,6 +12,7 @@ client gets it.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from urllib.parse import urlsplit
 from mitmproxy import command, ctx, http
 from mitmproxy.utils import human
 
+from ..items import TOP_LEVEL_BOOKKEEPING
 from ..flows import (
     CLIENT_BODY,
     COMPARISON,
@@ -91,6 +93,27 @@ def _reader_for(response: http.Response) -> AnswerReader:
         response.headers.get("content-encoding", ""),
         int(length) if length.isdigit() else None,
     )
+
+
+def _without_item_ids(request: http.Request) -> http.Request:
+    """The turn sent whole for a comparison, without the ids its items carry
+    where an id is bookkeeping (``items.TOP_LEVEL_BOOKKEEPING``: not a
+    reasoning item's, which names hidden reasoning): a gateway such as
+    agentic-api refuses items whose ids it already holds, and the count the
+    comparison reads is of what the model is fed, not of ids."""
+    try:
+        body = json.loads(request.content or b"")
+    except ValueError:
+        return request
+    items = body.get("input") if isinstance(body, dict) else None
+    if not isinstance(items, list):
+        return request
+    body["input"] = [{k: v for k, v in item.items() if k != "id"}
+                     if isinstance(item, dict) and "id" in TOP_LEVEL_BOOKKEEPING.get(item.get("type", "message"), ())
+                     and ("type" in item or "role" in item) else item for item in items]
+    whole = request.copy()
+    whole.content = json.dumps(body).encode()
+    return whole
 
 
 def _answer_of(response: http.Response) -> dict:
@@ -243,8 +266,10 @@ class ForwardMode:
         retry_of = flow.metadata.get(RETRY_OF)
         client_body = original.raw_content or b""
         # A conversation the proxy keeps is named in each answer as it streams by: none can be held to be checked.
+        stored_chain = (flow.metadata.get(EMULATION) or {}).get("stored_chain")
         plan = self.planner.plan(request_of(flow, original), rewrite=retry_of is None,
-                                 checkable=CONVERSATION not in flow.metadata, websocket_mode=bridge_runs_for(flow))
+                                 checkable=CONVERSATION not in flow.metadata, websocket_mode=bridge_runs_for(flow),
+                                 stored_chain=tuple(stored_chain) if stored_chain else None)
         if plan.upstream == "":
             return None  # not a Responses API request: no trace at all
         flow.metadata[DECISION] = _metadata(plan)
@@ -503,8 +528,8 @@ class ForwardMode:
         continued = usage_of(_answer_of(flow.response))
         if continued is None:
             return
-        whole, failure = await self.replays.send(flow, pending.original, "the same turn sent whole, to compare",
-                                                 kind="comparison")
+        whole, failure = await self.replays.send(flow, _without_item_ids(pending.original),
+                                                 "the same turn sent whole, to compare", kind="comparison")
         counted = usage_of(_answer_of(whole)) if failure is None and whole.status_code < 300 else None
         if counted is None:
             return

@@ -239,8 +239,8 @@ class StoreEmulation:
             if record.record_turn:
                 await self.history.forget_gone_bases(record.tenant, record.raw_input, self.state.get)
             return
-        if self.mode == "auto" and not await self._upstream_cannot_have(record) \
-                and not await self._chain_in_doubt(record):
+        stored_upstream = self.mode == "auto" and not await self._upstream_cannot_have(record)
+        if stored_upstream and not await self._chain_in_doubt(record):
             flow.metadata[EMULATION] = {"previous_response_id": previous, "expanded": False}
             return  # sent as it is; a refusal naming it is retried expanded
         try:
@@ -257,6 +257,10 @@ class StoreEmulation:
             return  # an id the record does not know, for an upstream that may: it goes as it is
         flow.metadata[CLIENT_BODY] = client.raw_content
         flow.metadata[EMULATION] = {"previous_response_id": previous, "expanded": True, "reasoning_dropped": dropped}
+        if stored_upstream and not dropped:
+            # The upstream holds the client's chain: forward mode may continue the expansion from the client's own
+            # id (only the client's input goes), held and compared with the turn sent whole.
+            flow.metadata[EMULATION]["stored_chain"] = [previous, len(record.raw_input)]
         flow.comment = f"emulated: {previous} expanded"
         flow.request.content = record.expanded
         self._debug("expanded %s", previous)
