@@ -183,6 +183,14 @@ def meaning(item: Any) -> Any:
     return out
 
 
+def _compared(continued: dict, record: dict) -> bool:
+    """Whether ``record`` is the proxy's comparison of the answered HTTP continuation before it."""
+    return (continued.get("continued") is True and not record.get("continued")
+            and continued.get("status_code", 200) == 200 and not continued.get("fault") and not record.get("fault")
+            and continued.get("transport", "http") == "http" == record.get("transport", "http")
+            and meaning(record["context"]) == meaning(continued["context"]))
+
+
 def without_comparisons(log: list[dict]) -> list[dict]:
     """The upstream's log less the proxy's comparisons: a continuation whose
     conversation holds an item kind the upstream has not shown it keeps is sent
@@ -191,8 +199,7 @@ def without_comparisons(log: list[dict]) -> list[dict]:
     kept: list[dict] = []
     last: dict | None = None  # the last record that made a context
     for record in log:
-        if "context" in record and last is not None and last.get("continued") and not record.get("continued") \
-                and meaning(record["context"]) == meaning(last["context"]):
+        if "context" in record and last is not None and _compared(last, record):
             continue
         kept.append(record)
         if "context" in record:
