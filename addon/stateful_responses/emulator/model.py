@@ -685,7 +685,10 @@ def _tokens(items: list) -> int:
     for item in items:
         if not isinstance(item, dict) or item.get("type") == "reasoning":
             continue
-        item = _as_read(item, top=True)
+        try:
+            item = _as_read(item, top=True)
+        except RecursionError:  # nested past any sense: read as it is
+            pass
         if isinstance(item.get("content"), str):
             item["content"] = [item["content"]]
         item.setdefault("type", "message")
