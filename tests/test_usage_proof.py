@@ -168,3 +168,22 @@ def test_instructions_changed_or_truncation_make_counts_incomparable():
     answer["usage"]["input_tokens"] = 1
     assert planner.settle(plan, status, answer).kind == "advanced"  # not comparable: today's rule
     assert not planner.upstreams.drops_any(plan.scope)
+
+
+def test_an_answer_over_a_socket_is_checked_as_one_over_http():
+    """The WebSocket bridge continues a turn from its socket's own memory and
+    reports what it sent (``carried``) before settling the answer: a socket
+    that dropped the chain (vLLM's WebSocket mode strips previous_response_id)
+    shows it in the answer's count alike."""
+    planner, upstream = Planner(), LossyUpstream()
+    items = [{"role": "user", "content": "hi"}]
+    _, first, _ = send(planner, upstream, "k", items, assistant_output(1))
+    items = items + first["output"] + [{"role": "user", "content": "more"}]
+    plan = planner.plan(request(items, "k"))
+    sent = json.dumps({"model": "gpt-test", "input": items[-1:], "previous_response_id": first["id"]}).encode()
+    planner.carried(plan, first["id"], 1, sent)
+    answer = {"id": "resp_socket", "status": "completed", "previous_response_id": first["id"],
+              "output": assistant_output(2), "usage": {"input_tokens": 10, "output_tokens": 10}}
+    assert planner.settle(plan, 200, answer).kind == "lossy"
+    assert planner.upstreams.drops_any(plan.scope)
+    assert planner.plan(request(items, "k")).action == "full"
