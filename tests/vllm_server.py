@@ -13,8 +13,10 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 from harness import ROOT, LoopbackServer
 
@@ -84,10 +86,6 @@ class VLLMServer(LoopbackServer):
 
 def wait_healthy(server: VLLMServer) -> None:
     """Until ``/health`` answers 200: it listens before the engine is ready."""
-    import time
-
-    import httpx
-
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while time.monotonic() < deadline:
         try:

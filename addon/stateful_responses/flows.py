@@ -30,7 +30,7 @@ EMULATION = "stateful_emulation"  # what store emulation did with the flow
 CONVERSATION = "stateful_conversation"  # {"id", "items", …}: a conversation the proxy keeps, expanded into the request
 ROUTED = "stateful_routed"  # {"upstream", "reason", "moved", …}: where the router sent it
 RETRY_OF = "stateful_retry_of"  # our own retry of the client's flow (its id)
-COMPARISON = "stateful_comparison"  # a client's turn sent whole beside its held continuation, to compare their counts
+COMPARISON = "stateful_comparison"  # a turn sent whole beside its held continuation, to compare their counts
 BRIDGED = "stateful_websocket"  # {"transport", "action", …}: an HTTP request served over an upstream WebSocket
 OVERFLOW = "stateful_websocket_overflow"  # every socket holds a live conversation: HTTP, as without the bridge
 # flow.metadata key: an answer held back whole, so that the response hook can

@@ -66,7 +66,7 @@ class Replays:
             # (and lets a replay through), and the user it let in names the tenant.
             child.metadata = {key: flow.metadata[key] for key in ("proxyauth",) if key in flow.metadata}
             child.is_replay = "request"
-            if kind in ("proof", "comparison"):  # ours, no attempt at the client's request: no addon may take it for one
+            if kind in ("proof", "comparison"):  # ours, no attempt at the client's request: no addon takes it for one
                 child.metadata[RETRY_OF] = flow.id
                 child.metadata[COMPARISON] = kind == "comparison"  # nothing is learned from it: the caller compares
             else:
