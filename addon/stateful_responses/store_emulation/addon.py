@@ -286,12 +286,13 @@ class StoreEmulation:
         it has not yet shown it keeps (``Upstreams.unverified``). Such a turn
         is expanded: forward mode then sends it whole, or continues it held and
         compared with the turn sent whole. A chain the record cannot read
-        leaves it to the upstream, as before."""
+        yet (written a moment ago) is in doubt too: the expansion waits for it
+        once, and sends the turn as it is if it still cannot."""
         assert record.previous_response_id is not None
         try:
             context = await self.history.context(record.tenant, record.previous_response_id, self.state.get_strict)
         except (StorageError, ChainError):
-            return False
+            return True
         kinds = item_kinds(context + record.raw_input)
         return any(self.upstreams.drops(record.scope, kind) for kind in kinds) \
             or bool(self.upstreams.unverified(record.scope, kinds))
