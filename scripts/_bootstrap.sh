@@ -6,6 +6,7 @@
 #   WITH_LITELLM=1 also installs LiteLLM's proxy (scripts/install-litellm)
 #   WITH_AGENTIC_API=1 also installs vLLM's agentic-api (scripts/install-agentic-api)
 #   WITH_SMG=1 also installs SGLang's smg (scripts/install-smg)
+#   WITH_VLLM=1 also installs vLLM itself (scripts/install-vllm)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
@@ -66,5 +67,10 @@ fi
 if [ "${WITH_SMG:-}" = 1 ] && ! "$ROOT/scripts/install-smg"; then
     [ "${CI:-}" = true ] && exit 1
     echo "smg could not be installed: tests/test_smg.py will be skipped" >&2
+fi
+# vLLM itself, the upstream of tests/test_vllm.py (WITH_VLLM=1): alike.
+if [ "${WITH_VLLM:-}" = 1 ] && ! "$ROOT/scripts/install-vllm"; then
+    [ "${CI:-}" = true ] && exit 1
+    echo "vLLM could not be installed: tests/test_vllm.py will be skipped" >&2
 fi
 export PATH="$VENV/bin:$PATH"

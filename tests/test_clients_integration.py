@@ -13,6 +13,7 @@ from driver import (
     Conversation,
     assert_context_preserved,
     langchain_conversation,
+    client_turns,
     recording_clients,
     user_turns,
     weather_agent,
@@ -28,6 +29,7 @@ def continuation_rate(log: list[dict]) -> float:
 
 
 def report(request, log) -> None:
+    log = client_turns(log)  # a comparison (a turn sent whole beside its continuation) is no client's request
     rate = continuation_rate(log)
     request.node.user_properties.append(("continuation_rate", rate))
     print(f"\n{request.node.name}: {len(log)} requests, continuation rate {rate:.0%}")

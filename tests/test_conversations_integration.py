@@ -17,14 +17,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
 import pytest
-from driver import TOOLS, httpx, meaning
+from driver import TOOLS, httpx, meaning, without_comparisons
 
 KEY = "sk-test-key"
 WITHOUT_THE_API = ["absent", "ignore"]
 
 
 def log(emulator) -> list[dict]:
-    return emulator.model.snapshot_log()
+    """The upstream's log, less the proxy's comparisons (see driver.without_comparisons)."""
+    return without_comparisons(emulator.model.snapshot_log())
 
 
 def sdk(proxy, key: str = KEY) -> openai.OpenAI:

@@ -19,7 +19,7 @@ from pathlib import Path
 import openai
 import pytest
 import redis
-from driver import httpx
+from driver import httpx, without_comparisons
 from stateful_responses.request_reader import Request
 from stateful_responses.settings import Config
 from stateful_responses.state.storage import open_storage
@@ -34,7 +34,8 @@ SECRET_KEY, SECRETS_KEY = b"{stateful-responses}:secret", b"{stateful-responses}
 
 
 def log(emulator) -> list[dict]:
-    return emulator.model.snapshot_log()
+    """The upstream's log, less the proxy's comparisons (see driver.without_comparisons)."""
+    return without_comparisons(emulator.model.snapshot_log())
 
 
 def post(url: str, body: dict, key: str = KEY, **options) -> httpx.Response:

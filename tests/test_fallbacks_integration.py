@@ -17,13 +17,16 @@ from driver import (
     drop_nulls,
     httpx,
     user_turns,
+    without_comparisons,
 )
 
 AUTH = {"authorization": "Bearer sk-test-key"}
 
 
 def log(emulator) -> list[dict]:
-    return emulator.model.snapshot_log()
+    """The upstream's log, less the proxy's comparisons (the first continuation across tool calls is sent whole
+    too, to compare their input tokens: the emulator, a faithful server, keeps them)."""
+    return without_comparisons(emulator.model.snapshot_log())
 
 
 def run_turns(conv: Conversation, texts) -> None:

@@ -29,6 +29,7 @@ from driver import (
     httpx,
     meaning,
     user_turns,
+    without_comparisons,
 )
 
 AUTH = {"authorization": "Bearer sk-test-key"}
@@ -103,7 +104,8 @@ class CompressedChainedConversation(ChainedConversation):
 
 
 def log(emulator) -> list[dict]:
-    return emulator.model.snapshot_log()
+    """The upstream's log, less the proxy's comparisons (see driver.without_comparisons)."""
+    return without_comparisons(emulator.model.snapshot_log())
 
 
 def converse(conv: Conversation, texts: list[str]) -> None:

@@ -25,6 +25,7 @@ from driver import (
     httpx,
     meaning,
     user_turns,
+    without_comparisons,
 )
 from redis.crc import key_slot
 
@@ -33,7 +34,8 @@ STORE_FILE = "stateful-responses.sqlite3"
 
 
 def log(emulator) -> list[dict]:
-    return emulator.model.snapshot_log()
+    """The upstream's log, less the proxy's comparisons (see driver.without_comparisons)."""
+    return without_comparisons(emulator.model.snapshot_log())
 
 
 def continued(emulator) -> list[bool]:

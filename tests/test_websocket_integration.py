@@ -29,6 +29,7 @@ from driver import (
     recording_clients,
     user_turns,
     weather_agent,
+    without_comparisons,
 )
 from mitmproxy import io as flow_io
 from stateful_responses.view import render
@@ -51,7 +52,8 @@ def bridge(emulator, start_proxy, tmp_path):
 
 
 def records(emulator) -> list[dict]:
-    return emulator.model.snapshot_log()
+    """The upstream's log, less the proxy's comparisons (see driver.without_comparisons)."""
+    return without_comparisons(emulator.model.snapshot_log())
 
 
 def reached_the_client(emulator) -> list[dict]:

@@ -31,6 +31,7 @@ EMULATION = "stateful_emulation"  # what store emulation did with the flow
 CONVERSATION = "stateful_conversation"  # {"id", "items", …}: a conversation the proxy keeps, expanded into the request
 ROUTED = "stateful_routed"  # {"upstream", "reason", "moved", …}: where the router sent it
 RETRY_OF = "stateful_retry_of"  # our own retry of the client's flow (its id)
+COMPARISON = "stateful_comparison"  # a turn sent whole beside its held continuation, to compare their counts
 BRIDGED = "stateful_websocket"  # {"transport", "action", …}: an HTTP request served over an upstream WebSocket
 ANSWERED = "stateful_answered"  # the proxy answered this flow itself (compaction): it teaches nothing of the upstream
 # A client's upgrade the proxy serves WebSocket mode for itself (its upstream lacks it): {"socket": …}

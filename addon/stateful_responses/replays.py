@@ -10,7 +10,7 @@ import html
 from mitmproxy import ctx, http, version
 
 from .counters import Counters
-from .flows import RETRY_OF, internal_error, retry_of
+from .flows import COMPARISON, RETRY_OF, internal_error, retry_of
 
 
 def bad_gateway(why: str) -> http.Response:
@@ -68,8 +68,9 @@ class Replays:
             child.metadata = {key: flow.metadata[key] for key in ("proxyauth",) if key in flow.metadata}
             child.metadata.update(metadata or {})  # what tells the other addons to leave it alone
             child.is_replay = "request"
-            if kind == "proof":  # ours, but no attempt at the client's request: no addon may take it for one
+            if kind in ("proof", "comparison"):  # ours, no attempt at the client's request: no addon takes it for one
                 child.metadata[RETRY_OF] = flow.id
+                child.metadata[COMPARISON] = kind == "comparison"  # nothing is learned from it: the caller compares
             else:
                 retry_of(child, flow)
             child.comment = f"{kind} for {flow.id}: {why}"

@@ -23,7 +23,10 @@ has no WebSocket mode; only this one lets forward mode force ``store`` on a
 endpoint 404/405, refused a compaction item or trigger as unknown, or answered
 a trigger with no compaction item: see ``compaction/``), ``native_background`` (it answered a
 ``background: true`` create in its own background mode) and ``lacks_background`` (it refused the field or
-answered such a create synchronously: the proxy runs its background responses). Each expires (a verdict drawn from faults sooner than the
+answered such a create synchronously: the proxy runs its background responses), ``keeps_items`` and
+``drops_items`` (of a scope and an item kind, ``kind_scope``: a continuation whose chain held that kind of
+item was, or was not, fed to the model as the same history sent whole; see ``chain_fell_short`` and
+``same_context``). Each expires (a verdict drawn from faults sooner than the
 time to live: see ``mark``); setting one queues the write that shares it
 with every process using the store.
 """
@@ -33,8 +36,11 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Literal
+
+import msgspec
 
 from .bounded import Bounded
 from .settings import Config
@@ -45,7 +51,8 @@ MARKS = "marks"  # kind + scope -> when it expires
 
 MarkKind = Literal["reads_back", "unsupported", "no_forced_store", "honours_previous", "refuses_previous",
                    "has_conversations", "lacks_conversations", "refuses_websocket", "serves_responses",
-                   "lacks_websocket", "has_compaction", "lacks_compaction", "native_background", "lacks_background"]
+                   "lacks_websocket", "has_compaction", "lacks_compaction", "native_background", "lacks_background",
+                   "keeps_items", "drops_items"]
 MARK_KINDS = frozenset(MarkKind.__args__)  # type: ignore[attr-defined]
 
 # Answers that say "not now", not "not this": the client's SDK retries them and
@@ -61,6 +68,7 @@ _TOKENS_WITHOUT_BYTES = (b'"input_image"', b'"input_file"', b'"file_id"', b'"inp
 # Tokens a server may add around what it was sent: a chat template's per-message markers, tool formatting.
 _TEMPLATE_TOKENS, _TEMPLATE_TOKENS_PER_ITEM = 64, 16
 EchoVerdict = Literal["honoured", "ignored", "undecided"]
+DROPS_PERIOD = 24 * 3600.0  # a lossy chain's verdict holds a day, then one continuation is compared again
 
 
 def echo_verdict(sent_id: str, echoed: object, answer: Mapping, sent: bytes, items_sent: int,
@@ -108,6 +116,92 @@ def names_store(refusal: bytes) -> bool:
         return True
     said = " ".join(str(error.get(key) or "") for key in ("message", "code"))
     return re.search(r"\bstore\b", said, re.IGNORECASE) is not None
+
+
+@dataclass(frozen=True)
+class Usage:
+    """An answer's token counts: what the model was fed, what it wrote, and
+    how much of that was reasoning no server feeds back."""
+
+    input: int
+    output: int
+    reasoning: int
+
+
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def usage_of(answer: Mapping) -> Usage | None:
+    """``usage`` of a Responses answer, or None where it is absent or odd."""
+    usage = answer.get("usage")
+    if not isinstance(usage, Mapping):
+        return None
+    details = usage.get("output_tokens_details")
+    reasoning = _count(details.get("reasoning_tokens", 0)) if isinstance(details, Mapping) else 0
+    taken, given = _count(usage.get("input_tokens")), _count(usage.get("output_tokens"))
+    if taken is None or given is None or reasoning is None:
+        return None
+    return Usage(taken, given, min(reasoning, given))
+
+
+# What a faithful server may bill less than its chain holds: the end-of-turn marker an answer's output counts and
+# its next context renders otherwise, per output item, and a little for rounding.
+_CHAIN_SLACK, _CHAIN_SLACK_PER_OUTPUT_ITEM = 2, 2
+# Two runs of one context billed this far apart are the same context (a server counting in rounded units).
+SAME_CONTEXT_SLACK = 2
+
+
+def chain_fell_short(parent: Usage, answer: Usage, parent_output_items: int) -> bool:
+    """Whether a continuation's answer was fed less than its chain holds: the
+    parent's input and its output (less the reasoning tokens, which OpenAI
+    does not feed back) are in every continued context, whatever the new items
+    add. Only a shortfall shows: the new items' tokens are unknown."""
+    floor = parent.input + parent.output - parent.reasoning
+    return answer.input < floor - _CHAIN_SLACK - _CHAIN_SLACK_PER_OUTPUT_ITEM * parent_output_items
+
+
+def same_context(continued: Usage, whole: Usage) -> bool:
+    """Whether a continuation was fed what the same turn sent whole was."""
+    return abs(continued.input - whole.input) <= SAME_CONTEXT_SLACK
+
+
+# Item kinds every storing upstream seen so far keeps (its text turns): the shortfall check watches them, but a
+# continuation is not held to be compared for them. Every other kind is compared once per upstream + credential.
+PLAIN_KINDS = frozenset({"message:user", "message:assistant"})
+
+
+def item_kind(item_type: object, role: object) -> str:
+    """The kind a stored chain may keep or drop: an item's type, a message's
+    role with it (an item with a role and no type is a message)."""
+    kind = item_type if isinstance(item_type, str) else "message" if isinstance(role, str) else "?"
+    return f"{kind}:{role}" if kind == "message" and isinstance(role, str) else kind
+
+
+class _Kind(msgspec.Struct):
+    type: object = None
+    role: object = None
+
+
+_KIND = msgspec.json.Decoder(_Kind)
+
+
+def item_kinds(raw_items: Iterable[bytes]) -> list[str]:
+    """Each raw item's kind (``item_kind``; ``?`` for one that does not read)."""
+    kinds = []
+    for raw in raw_items:
+        try:
+            probe = _KIND.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            kinds.append("?")
+            continue
+        kinds.append(item_kind(probe.type, probe.role))
+    return kinds
+
+
+def kind_scope(scope: str, kind: str) -> str:
+    """The scope of a verdict about one item kind."""
+    return f"{scope}\x00{kind}"
 
 
 def _mark_key(kind: MarkKind, scope: str) -> bytes:
@@ -180,6 +274,28 @@ class Upstreams:
     def cannot_continue(self, scope: str) -> bool:
         """Whether this upstream + credential showed it cannot continue a chain."""
         return self.has("unsupported", scope) or self.has("refuses_previous", scope)
+
+    def drops(self, scope: str, kind: str) -> bool:
+        """Whether this upstream + credential's stored chain lost ``kind`` items."""
+        return self.has("drops_items", kind_scope(scope, kind))
+
+    def drops_any(self, scope: str) -> bool:
+        """Whether this upstream + credential's chain was found to drop any kind."""
+        now = self.config.clock()
+        return any(kind == "drops_items" and marked.startswith(scope + "\x00") and expires > now
+                   for (kind, marked), expires in self._expires.items())
+
+    def unverified(self, scope: str, kinds: Iterable[str]) -> frozenset[str]:
+        """The kinds of ``kinds`` a continuation must still be compared for."""
+        return frozenset(k for k in kinds if k not in PLAIN_KINDS and not self.has("keeps_items", kind_scope(scope, k)))
+
+    def judge_items(self, scope: str, kinds: Iterable[str], kept: bool) -> list[str]:
+        """Mark ``kinds`` kept (for the time to live) or dropped (for
+        ``DROPS_PERIOD``: a server is upgraded, and a check costs one turn sent
+        twice); the kinds newly marked."""
+        if kept:
+            return [k for k in kinds if self.mark("keeps_items", kind_scope(scope, k))]
+        return [k for k in kinds if self.mark("drops_items", kind_scope(scope, k), DROPS_PERIOD)]
 
     def unproven(self, scope: str) -> bool:
         """Neither proved to read stored responses back nor known not to store."""

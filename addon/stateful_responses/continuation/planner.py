@@ -26,7 +26,18 @@ from ..request_reader import Reader, Reading, Request, Skip, splice
 from ..settings import Config, Settings
 from ..state.outbox import Outbox, Write
 from ..tenancy import Tenancy
-from ..upstreams import TRANSIENT_STATUSES, UNAVAILABLE_STATUSES, Upstreams, echo_verdict, names_store
+from ..upstreams import (
+    TRANSIENT_STATUSES,
+    UNAVAILABLE_STATUSES,
+    Upstreams,
+    Usage,
+    chain_fell_short,
+    echo_verdict,
+    item_kinds,
+    kind_scope,
+    names_store,
+    usage_of,
+)
 from .prefixes import ENTRIES, REFS, Match, PrefixStore, StoredEntry, encode_entry
 
 Action = Literal["pass", "full", "continue"]
@@ -57,6 +68,11 @@ class Plan:
     # A continuation the upstream + credential has not yet shown it honours, in store emulation's always mode:
     # its answer is held and checked, and the client's full body goes again unless it was made from the chain.
     checked: bool = False
+    # Item kinds of the chain continued from that the upstream + credential has not yet shown it feeds back: the
+    # held answer is compared with the same turn sent whole (forward mode's check) before the client has it.
+    verify: frozenset[str] = frozenset()
+    chain_kinds: frozenset[str] = frozenset()  # the item kinds of a continued request, its chain's and new
+    context: bytes = b""  # what the count of every turn holds besides its items: instructions, tools
     draft: _Draft | None = field(default=None, repr=False)  # what improving the plan from the store needs
     root: bytes = field(default=b"", repr=False)  # the namespace's root digest
     counted: bool = field(default=True, repr=False)  # in the counters (the transport that carries it counts)
@@ -94,12 +110,25 @@ class _Draft:
 class Outcome:
     """What one answer taught the store, for logs, counters and the flow."""
 
-    kind: Literal["advanced", "dropped", "unsupported", "ignored", "unverified", "retry", "transient", "pending"]
+    kind: Literal["advanced", "dropped", "unsupported", "ignored", "unverified", "retry", "transient", "pending",
+                  "lossy"]
     detail: str
     response_id: str | None = None
 
 
 _ABSENT = object()
+# Fields whose tokens every turn is billed for besides its items: a continuation's count is comparable with its
+# parent's only when they are the same (and "truncation": "auto" lets a faithful server drop items).
+_CONTEXT_FIELDS = ("instructions", "tools", "truncation")
+
+
+@dataclass(frozen=True)
+class _Counted:
+    """An answer's usage, kept so that a continuation of it can be checked."""
+
+    usage: Usage
+    output_items: int
+    context: bytes
 
 
 @dataclass
@@ -118,6 +147,8 @@ class Planner:
     refs: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)
     # Background responses still running: their plans wait for the poll that finds them finished.
     background: Bounded = field(default_factory=lambda: Bounded(4096), repr=False)
+    # Answers' usage by response id (this process's memory: a continuation of one it lacks is not checked).
+    usages: Bounded = field(default_factory=lambda: Bounded(65536), repr=False)
     _outbox: Outbox = field(default_factory=Outbox, repr=False)
 
     tables = {ENTRIES: 1_000_000, REFS: 1_000_000}
@@ -166,7 +197,8 @@ class Planner:
         return h.digest()
 
     def plan(self, request: Request, *, rewrite: bool = True, checkable: bool = True,
-             websocket_mode: bool = False, count: bool = True, keep_store_false: bool = False) -> Plan:
+             websocket_mode: bool = False, count: bool = True, keep_store_false: bool = False,
+             stored_chain: tuple[str, int] | None = None) -> Plan:
         """Decide what to send. With ``rewrite=False`` (our own retry of a
         client's original body) nothing is changed, only tracked. With
         ``checkable=False`` (an answer that must stream as it comes) a
@@ -176,7 +208,9 @@ class Planner:
         ``count=False``: another transport counts what it sends (the bridge).
         ``keep_store_false``: a client that said ``store: false`` on its own
         WebSocket (served by the proxy) is never forced to store, as the mode
-        stores nothing."""
+        stores nothing. ``stored_chain``: (response id, new items) of a chain store emulation
+        expanded that the upstream stores: continued from unless memory holds
+        a deeper prefix."""
         reading = self.reader.read(request, count=rewrite and count)
         if isinstance(reading, Skip):
             return Plan("pass", reading.reason, reading.upstream, reading.model)
@@ -243,13 +277,32 @@ class Planner:
             plan.reason = "full; the request does not ask to store"
         if not rewrite:
             return plan
-        match = self.store.deepest(prefixes, now)
+        plan.context = blake3(b"\x00".join(bytes(body[name]) if name in body else b"-" for name in _CONTEXT_FIELDS),
+                              key=self.tenancy.secret).digest(16)
+        dropped = self._dropped_kind(scope, raw_items)
+        match = self.store.deepest(prefixes, now) if dropped is None else None
+        if stored_chain is not None and dropped is None and 0 < stored_chain[1] < len(digests) \
+                and (match is None or match.length < len(digests) - stored_chain[1]):
+            length = len(digests) - stored_chain[1]
+            match = Match(prefixes[length - 1], stored_chain[0], length)
+        if dropped is not None:
+            plan.reason = f"full; the upstream's stored chain drops or reshapes {dropped} items"
         if match is not None and not self.upstreams.has("reads_back", scope):
             match, plan.reason = None, "full; the upstream has not yet read a stored response back"
         plan.draft = _Draft(request.body, body, raw_items, force, match.length if match else 0, unresolved, checkable)
         self._shape(plan, match)
         self._count(plan)
         return plan
+
+    def _dropped_kind(self, scope: str, raw_items: list[bytes] | None) -> str | None:
+        """An item kind of the request that the upstream's stored chain was
+        found to drop or feed otherwise than sent whole: such a conversation is
+        never continued (an item of that kind in the chain is lost; sent as a
+        new item after it, vLLM renders a function call apart from the
+        assistant message before it)."""
+        if raw_items is None or not self.upstreams.drops_any(scope):
+            return None
+        return next((kind for kind in item_kinds(raw_items) if self.upstreams.drops(scope, kind)), None)
 
     def _ref_key(self, root: bytes, item_id: str) -> bytes:
         return blake3(root + b"\x00ref\x00" + item_id.encode("utf-8", "surrogatepass"),
@@ -297,6 +350,13 @@ class Planner:
             match, plan.reason = None, "full; a continuation to check, of an answer that cannot be held"
         if match is not None:
             assert draft.raw_items is not None  # a string input is one item and never extends anything
+            plan.chain_kinds = frozenset(item_kinds(draft.raw_items))  # the new items too: how they join the chain
+            plan.verify = self.upstreams.unverified(plan.scope, plan.chain_kinds)
+            if plan.verify and not draft.checkable:
+                match, plan.reason = None, "full; a continuation to compare, of an answer that cannot be held"
+                plan.chain_kinds = plan.verify = frozenset()
+        if match is not None:
+            assert draft.raw_items is not None
             changes["input"] = b"[" + b",".join(draft.raw_items[match.length :]) + b"]"
             changes["previous_response_id"] = json.dumps(match.response_id).encode()
             plan.action = "continue"
@@ -304,7 +364,7 @@ class Planner:
             plan.previous_response_id = match.response_id
             plan.parent = match.digest
             plan.items_sent = plan.items_total - match.length
-            plan.checked = checked
+            plan.checked = checked or bool(plan.verify)
         if draft.force_store:
             changes["store"] = b"true"
         plan.body = splice(draft.request_body, draft.fields, changes) if changes else None
@@ -325,6 +385,8 @@ class Planner:
         if not found or plan.sequence is None or not self.upstreams.has("reads_back", plan.scope):
             return
         now, prefixes = self.config.clock(), plan.sequence.digests
+        if self._dropped_kind(plan.scope, plan.draft.raw_items if plan.draft else None) is not None:
+            return
         for k in range(len(prefixes) - 1, 0, -1):
             entry = found.get(prefixes[k - 1])
             if entry is None or entry.length != k or entry.scope != plan.scope or entry.expires <= now:
@@ -418,6 +480,10 @@ class Planner:
                 return Outcome("ignored", "the answer does not echo previous_response_id: it proves nothing", rid)
             return Outcome("unverified", "the answer does not echo previous_response_id: nothing is built on it "
                            "until the upstream shows it read the chain", rid)
+        usage = usage_of(response)
+        if plan.action == "continue" and self._fell_short(plan, usage):
+            return Outcome("lossy", "the answer was fed less than its chain holds: the upstream's stored chain drops "
+                           f"items ({', '.join(sorted(plan.chain_kinds)) or 'of some kind'})", rid)
         stored = response.get("store")
         if not isinstance(stored, bool):
             # An answer that does not say (agentic-api's) is taken as asked, a request that does not say either
@@ -444,11 +510,38 @@ class Planner:
                 key = self._ref_key(plan.root, item["id"])
                 self.refs.put(key, item_digest_)
                 self._outbox.append(Write(REFS, key, item_digest_, self.config.ttl))
+        if usage is not None:
+            self.usages.put(rid, _Counted(usage, len(output), plan.context))
         length, expires = plan.items_total + len(output), self.config.clock() + self.config.ttl
         self.store.remember(digest, length, rid, plan.parent, plan.scope, expires)
         entry = encode_entry(StoredEntry(rid, length, plan.scope, expires))
         self._outbox.append(Write(ENTRIES, digest, entry, self.config.ttl))
         return Outcome("advanced", f"stores {plan.items_total + len(output)} items", rid)
+
+    def _fell_short(self, plan: Plan, usage: Usage | None) -> bool:
+        """Whether a continuation's answer shows the upstream fed the model
+        less than the chain it continued holds (``chain_fell_short``), judged
+        only against a parent whose usage this process saw, with the same
+        instructions and tools. The chain's kinds not yet shown kept are then
+        marked dropped (all of them when every one was: the chain is lossy and
+        nothing tells which), and its continuations go whole from then on."""
+        parent = self.usages.get(plan.previous_response_id)
+        if usage is None or parent is None or parent.context != plan.context \
+                or not chain_fell_short(parent.usage, usage, parent.output_items):
+            return False
+        self.judge_chain(plan, kept=False)
+        return True
+
+    def judge_chain(self, plan: Plan, kept: bool) -> list[str]:
+        """What a continuation showed of the upstream's stored chain: that it
+        keeps the kinds ``plan`` was compared for, or that it drops them (or,
+        with none compared, what it was not known to keep: the plain kinds
+        too); the kinds newly marked."""
+        if kept:
+            return self.upstreams.judge_items(plan.scope, plan.verify, kept=True)
+        suspects = plan.verify or [k for k in plan.chain_kinds
+                                   if not self.upstreams.has("keeps_items", kind_scope(plan.scope, k))]
+        return self.upstreams.judge_items(plan.scope, suspects or plan.chain_kinds, kept=False)
 
     def _observe(self, plan: Plan, status_code: int, response: Any) -> Outcome:
         """A client's own continuation: an answer that echoes its

@@ -497,7 +497,7 @@ class ResponsesModel:
             output = []
         elif status == "incomplete" and output and "status" in output[-1]:
             output[-1]["status"] = "incomplete"  # cut short, as the last item is when the budget runs out
-        usage = _usage(len(encoded), output)
+        usage = _usage(context, output)
         response = response_object(body, response_id=response_id, created_at=created_at, status=status,
                                    output=output, previous=body.get("previous_response_id"), usage=usage,
                                    store=self._store_echo(body.get("store", True)), conversation=conversation_id)
@@ -728,11 +728,49 @@ def _input_of(body: dict) -> list:
     raise errors.invalid_input_type()
 
 
-def _usage(context_bytes: int, output: list) -> dict:
-    """Token counts that grow with what was read and written (about 4 bytes a token)."""
-    input_tokens = context_bytes // 4
+# What a model reads of an item is its content: ids, statuses and empty fields are the API's bookkeeping.
+_BOOKKEEPING = frozenset({"id", "status", "created_at", "completed_at"})
+
+
+def _as_read(value: Any, top: bool = False) -> Any:
+    """``value`` as the model reads it: without bookkeeping or nulls, a
+    message's text parts as their text (a string content is one)."""
+    if isinstance(value, list):
+        return [_as_read(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if value.get("type") in ("input_text", "output_text") and isinstance(value.get("text"), str):
+        return value["text"]
+    return {k: _as_read(v) for k, v in value.items()
+            if v is not None and not (top and k in _BOOKKEEPING) and k not in ("annotations", "logprobs")}
+
+
+def _tokens(items: list) -> int:
+    """Tokens of items as the model reads them, about 4 bytes a token. A
+    reasoning item reads as nothing: its tokens were billed as output once and
+    are not fed back (OpenAI's reasoning guide)."""
+    read = []
+    for item in items:
+        if not isinstance(item, dict) or item.get("type") == "reasoning":
+            continue
+        try:
+            item = _as_read(item, top=True)
+        except RecursionError:  # nested past any sense: read as it is
+            pass
+        if isinstance(item.get("content"), str):
+            item["content"] = [item["content"]]
+        item.setdefault("type", "message")
+        read.append(item)
+    return len(canonical(read)) // 4 if read else 0
+
+
+def _usage(context: list, output: list) -> dict:
+    """Token counts that grow with what was read and written, as OpenAI
+    bills them: a continuation's input is its chain's input and output, less
+    the reasoning tokens (not fed back), plus its new items."""
+    input_tokens = _tokens(context)
     reasoning_tokens = 8 if any(item.get("type") == "reasoning" for item in output) else 0
-    output_tokens = len(canonical(output)) // 4 + reasoning_tokens
+    output_tokens = _tokens(output) + reasoning_tokens
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": input_tokens + output_tokens}

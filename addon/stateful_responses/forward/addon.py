@@ -12,6 +12,7 @@ client gets it.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -21,8 +22,10 @@ import msgspec
 from mitmproxy import command, ctx, http
 from mitmproxy.utils import human
 
+from ..items import TOP_LEVEL_BOOKKEEPING
 from ..flows import (
     CLIENT_BODY,
+    COMPARISON,
     CONVERSATION,
     DECISION,
     EMULATION,
@@ -44,7 +47,7 @@ from ..replays import Replays
 from ..answer_reader import AnswerReader
 from ..state.access import StateAccess
 from ..tenancy import credential_material
-from ..upstreams import TRANSIENT_STATUSES, UNAVAILABLE_STATUSES
+from ..upstreams import TRANSIENT_STATUSES, UNAVAILABLE_STATUSES, same_context, usage_of
 from ..continuation.planner import Outcome, Plan, Planner, plan_summary
 from ..continuation.prefixes import ENTRIES, REFS, entries_found
 
@@ -110,6 +113,45 @@ def _reader_for(response: http.Response) -> AnswerReader:
     )
 
 
+def _without_item_ids(request: http.Request) -> http.Request:
+    """The turn sent whole for a comparison, without the ids its items carry
+    where an id is bookkeeping (``items.TOP_LEVEL_BOOKKEEPING``: not a
+    reasoning item's, which names hidden reasoning): a gateway such as
+    agentic-api refuses items whose ids it already holds, and the count the
+    comparison reads is of what the model is fed, not of ids."""
+    try:
+        body = json.loads(request.content or b"")
+    except (ValueError, RecursionError):
+        return request
+    items = body.get("input") if isinstance(body, dict) else None
+    if not isinstance(items, list):
+        return request
+    body["input"] = [{k: v for k, v in item.items() if k != "id"}
+                     if isinstance(item, dict) and "id" in TOP_LEVEL_BOOKKEEPING.get(item.get("type", "message"), ())
+                     and ("type" in item or "role" in item) else item for item in items]
+    whole = request.copy()
+    whole.content = json.dumps(body).encode()
+    return whole
+
+
+def _streamed_anyway(response: http.Response) -> bool:
+    """Whether mitmproxy's ``stream_large_bodies`` will stream this answer
+    (past the limit, or of unknown length), held or not."""
+    limit = human.parse_size(ctx.options.stream_large_bodies)
+    if limit is None:
+        return False
+    length = response.headers.get("content-length", "")
+    return not length.isdigit() or int(length) > limit
+
+
+def _answer_of(response: http.Response) -> dict:
+    """The response object of an answer held whole (JSON or SSE), or an empty one."""
+    reader = _reader_for(response)
+    reader.feed(response.raw_content or b"")
+    answer = reader.finish()
+    return answer if isinstance(answer, dict) else {}
+
+
 class ForwardMode:
     """Forward mode: full-history requests continued with previous_response_id
     when, and only when, the upstream provably stored the prefix."""
@@ -127,7 +169,7 @@ class ForwardMode:
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         try:
             req = flow.request
-            if self._may_rewrite(req) and self._would_stream(req):
+            if self._may_rewrite(req) and self._would_stream(req) and not flow.metadata.get(COMPARISON):
                 await self.state.ready()  # planned without waiting once the body is in
                 await self._proven(flow)
                 self._collect_request(flow)
@@ -197,8 +239,8 @@ class ForwardMode:
         if flow.request.method.upper() == "GET":
             self._watch_poll(flow)
             return
-        if DECISION in flow.metadata or flow.request.raw_content is None:
-            return  # planned while streamed, or streamed past the addon
+        if DECISION in flow.metadata or flow.request.raw_content is None or flow.metadata.get(COMPARISON):
+            return  # planned while streamed, streamed past the addon, or our comparison (_compare learns from it)
         await self.state.ready()
         try:
             if self._may_rewrite(flow.request):
@@ -254,9 +296,11 @@ class ForwardMode:
         # A conversation the proxy keeps is named in each answer as it streams by: a stream cannot be held to be
         # checked (a JSON answer can: it is named whole, once held).
         checkable = CONVERSATION not in flow.metadata or not _asks_to_stream(original.raw_content or b"")
+        stored_chain = (flow.metadata.get(EMULATION) or {}).get("stored_chain")
         plan = self.planner.plan(request_of(flow, original), rewrite=retry_of is None,
                                  checkable=checkable, websocket_mode=bridge_runs_for(flow),
-                                 keep_store_false=SOCKET_TURN in flow.metadata)
+                                 keep_store_false=SOCKET_TURN in flow.metadata,
+                                 stored_chain=tuple(stored_chain) if stored_chain else None)
         if plan.upstream == "":
             return None  # not a Responses API request: no trace at all
         flow.metadata[DECISION] = _metadata(plan)
@@ -409,6 +453,9 @@ class ForwardMode:
             plan = pending.plan
             self.proofs.start_echo(flow, plan.scope, plan.scope_label, plan.upstream, outcome.response_id,
                                    plan.items_sent)
+        elif outcome.kind == "lossy":
+            logger.info("stateful-responses: %s %s; such conversations go whole to it from now on",
+                        pending.plan.scope_label, outcome.detail)
         elif outcome.kind == "unsupported":
             logger.info(
                 "stateful-responses: %s does not store responses (%s); "
@@ -469,11 +516,13 @@ class ForwardMode:
     async def check(self, flow: http.HTTPFlow) -> None:
         """A checked continuation's answer, held whole: it stands only if the
         upstream + credential shows it was made from the chain (the echo, the
-        bill, or a listing of its input items, ``PROOF_WAIT`` at most);
-        otherwise the client's full body goes again and its answer is the
-        client's, so that no turn is answered without its history, and that
-        upstream + credential is sent full history from then on (checking
-        every turn would send each twice)."""
+        bill, or a listing of its input items, ``PROOF_WAIT`` at most), and,
+        for a chain holding item kinds it has not yet shown it feeds back, if
+        it was fed what the same turn sent whole is (``_compare``); otherwise
+        the client's full body goes again and its answer is the client's, so
+        that no turn is answered without its history, and that upstream +
+        credential is sent full history from then on (for those item kinds
+        only, after a comparison; checking every turn would send each twice)."""
         pending = self._pending.get(flow)
         if pending is None or not pending.plan.checked or flow.response is None or flow.response.status_code >= 300:
             return
@@ -490,8 +539,45 @@ class ForwardMode:
                     logger.info("stateful-responses: %s did not show it answered a previous_response_id from its "
                                 "chain; sending full history to it from now on", pending.plan.scope_label)
                 await self._retry(flow, pending, "the upstream did not show it read the chain")
+            elif outcome is not None and outcome.kind == "lossy":
+                await self._retry(flow, pending, "the upstream's stored chain dropped items of the conversation")
+            elif outcome is not None and outcome.kind == "advanced" and pending.plan.verify:
+                await self._compare(flow, pending)
         except Exception:
             self._internal_error("checking a continuation's answer")
+
+    async def _compare(self, flow: http.HTTPFlow, pending: _Pending) -> None:
+        """Send the turn whole too, and see whether the held continuation was
+        fed what it was fed (``usage.input_tokens``, within rounding): if so
+        the upstream keeps the chain's item kinds (``Plan.verify``) and the
+        client has the continuation; if not, it drops them: the client has the
+        whole turn's answer, and no conversation is continued across such
+        items from then on. Without both counts nothing is learned (the
+        continuation stands, as it would have unchecked)."""
+        assert pending.original is not None and flow.response is not None
+        plan = pending.plan
+        continued = usage_of(_answer_of(flow.response))
+        if continued is None:
+            return
+        whole, failure = await self.replays.send(flow, _without_item_ids(pending.original),
+                                                 "the same turn sent whole, to compare", kind="comparison")
+        counted = usage_of(_answer_of(whole)) if failure is None and whole.status_code < 300 else None
+        if counted is None:
+            return
+        kept = same_context(continued, counted)
+        marked = self.planner.judge_chain(plan, kept)
+        await self.state.written(self.state.flush())
+        flow.metadata[DECISION]["compared"] = {"continued": continued.input, "whole": counted.input}
+        if kept:
+            self._debug("%s keeps %s in its stored chain (%d input tokens either way)", plan.scope_label,
+                        ", ".join(sorted(plan.verify)), counted.input)
+            return
+        self.planner.counters.retries += 1
+        logger.info("stateful-responses: %s fed a continuation %d input tokens where the same turn sent whole is %d: "
+                    "its stored chain does not keep %s; such conversations go whole to it from now on",
+                    plan.scope_label, continued.input, counted.input, ", ".join(sorted(marked or plan.verify)))
+        flow.response = whole
+        flow.comment = f"{plan_summary(plan)}; its stored chain lost items, answered by the turn sent whole"
 
     def _internal_error(self, doing: str) -> None:
         internal_error(self.planner.counters, doing)
@@ -517,6 +603,12 @@ class CheckedContinuations:
         pending = self.forward._pending.get(flow)
         if pending is not None and pending.plan.checked and flow.response is not None \
                 and flow.response.status_code < 300:
+            if pending.plan.verify and _streamed_anyway(flow.response) \
+                    and self.forward.planner.upstreams.has("honours_previous", pending.plan.scope):
+                # mitmproxy streams an answer past stream_large_bodies whatever an addon says: it cannot be held to
+                # be compared, so it is read on the side as any other (the shortfall check still applies)
+                pending.plan.checked, pending.plan.verify = False, frozenset()
+                return
             hold(flow)  # read whole in the response hook, and replaced there unless it was made from the chain
 
     async def response(self, flow: http.HTTPFlow) -> None:

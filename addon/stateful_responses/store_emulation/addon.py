@@ -72,7 +72,7 @@ from ..answer_reader import AnswerReader
 from ..state.access import StateAccess
 from ..state.storage import StorageError
 from ..tenancy import Tenancy, credential_material
-from ..upstreams import TRANSIENT_STATUSES, UNAVAILABLE_STATUSES, Upstreams, echo_verdict
+from ..upstreams import TRANSIENT_STATUSES, UNAVAILABLE_STATUSES, Upstreams, echo_verdict, item_kinds
 from .conversations import (
     ApiError,
     Call,
@@ -257,7 +257,8 @@ class StoreEmulation:
             if record.record_turn:
                 await self.history.forget_gone_bases(record.tenant, record.raw_input, self.state.get)
             return
-        if self.mode == "auto" and not await self._upstream_cannot_have(record):
+        stored_upstream = self.mode == "auto" and not await self._upstream_cannot_have(record)
+        if stored_upstream and not await self._chain_in_doubt(record):
             flow.metadata[EMULATION] = {"previous_response_id": previous, "expanded": False}
             return  # sent as it is; a refusal naming it is retried expanded
         try:
@@ -274,6 +275,10 @@ class StoreEmulation:
             return  # an id the record does not know, for an upstream that may: it goes as it is
         flow.metadata[CLIENT_BODY] = client.raw_content
         flow.metadata[EMULATION] = {"previous_response_id": previous, "expanded": True, "reasoning_dropped": dropped}
+        if stored_upstream and not dropped:
+            # The upstream holds the client's chain: forward mode may continue the expansion from the client's own
+            # id (only the client's input goes), held and compared with the turn sent whole.
+            flow.metadata[EMULATION]["stored_chain"] = [previous, len(record.raw_input)]
         flow.comment = f"emulated: {previous} expanded"
         flow.request.content = record.expanded
         self._debug("expanded %s", previous)
@@ -305,6 +310,23 @@ class StoreEmulation:
         except StorageError:
             return False
         return turn is not None and not turn.header.stored_upstream
+
+    async def _chain_in_doubt(self, record: _Flow) -> bool:
+        """In auto mode: whether the upstream's stored chain may not feed the
+        model what this turn holds: an item kind it was found to drop, or one
+        it has not yet shown it keeps (``Upstreams.unverified``). Such a turn
+        is expanded: forward mode then sends it whole, or continues it held and
+        compared with the turn sent whole. A chain the record cannot read
+        yet (written a moment ago) is in doubt too: the expansion waits for it
+        once, and sends the turn as it is if it still cannot."""
+        assert record.previous_response_id is not None
+        try:
+            context = await self.history.context(record.tenant, record.previous_response_id, self.state.get_strict)
+        except (StorageError, ChainError):
+            return True
+        kinds = item_kinds(context + record.raw_input)
+        return any(self.upstreams.drops(record.scope, kind) for kind in kinds) \
+            or bool(self.upstreams.unverified(record.scope, kinds))
 
     async def _expand(self, reading: Reading, record: _Flow) -> tuple[bytes, int]:
         """The client's body with the chain its previous_response_id names in
