@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from driver import expand_input, meaning
+from driver import expand_input, meaning, without_comparisons
 from stateful_responses.emulator import Emulator
 from test_https_proxy_integration import self_signed
 from test_node_clients_integration import node_clients  # noqa: F401 - a fixture
@@ -68,7 +68,8 @@ def run(request, start_proxy, tmp_path):
 
 
 def responses(log: list[dict]) -> list[dict]:
-    return [r for r in log if r.get("protocol") == "openai-responses" and "context" in r]
+    """The upstream's Responses requests, less the proxy's comparisons (see driver.without_comparisons)."""
+    return [r for r in without_comparisons(log) if r.get("protocol") == "openai-responses" and "context" in r]
 
 
 def assert_meant(meant: list[list], log: list[dict]) -> None:

@@ -14,7 +14,7 @@ import time
 
 import openai
 import pytest
-from driver import httpx
+from driver import httpx, without_comparisons
 
 KEY = "sk-test-key"
 MODEL = "gpt-test"
@@ -26,7 +26,9 @@ def log(emulator) -> list[dict]:
 
 
 def creates(emulator) -> list[dict]:
-    return [r for r in log(emulator) if r.get("endpoint") != "compact"]
+    """The upstream's Responses requests, less /responses/compact and the proxy's comparisons (the first
+    continuation holding an item kind the upstream has not shown it keeps is sent whole too, right after)."""
+    return without_comparisons([r for r in log(emulator) if r.get("endpoint") != "compact"])
 
 
 def user(text: str) -> dict:
@@ -314,7 +316,9 @@ def test_a_trigger_on_the_upstreams_own_chain_is_compacted_from_that_chain(emula
     completed = [e for e in events_of(r.text) if e["type"] == "response.completed"][0]["response"]
     assert [o["type"] for o in completed["output"]] == ["compaction"]
     summary_request = creates(emulator)[-1]
-    assert summary_request["previous_response_id"] == second["id"] and len(summary_request["context"]) == 5
+    # the chain's five items, sent by id, or expanded where the chain holds an item kind the upstream has not yet
+    # shown it keeps (the usage proof: a stream cannot be held to compare it)
+    assert summary_request["previous_response_id"] in (second["id"], None) and len(summary_request["context"]) == 5
     third = post(proxy, {"model": MODEL, "input": [user("three")], "previous_response_id": second["id"]})
     assert third.status_code == 200 and creates(emulator)[-1]["previous_response_id"] == second["id"]
     assert "without its chain" not in proxy.output()

@@ -47,7 +47,18 @@ def emulator(model_server):
 
 
 def served(emulator, start: int) -> list[dict]:
-    return [record for record in emulator.model.snapshot_log()[start:] if record.get("status_code") == 200]
+    """The model server's answered requests since ``start``, less the proxy's comparisons: the first
+    continuation of a conversation holding an item kind smg has not shown it keeps is sent whole too, right
+    after (smg expands both, so the model server sees the same context twice in a row)."""
+    kept: list[dict] = []
+    for record in emulator.model.snapshot_log()[start:]:
+        if record.get("status_code") != 200:
+            continue
+        if kept and kept[-1].get("credential") == record.get("credential") \
+                and "context" in record and meaning(kept[-1].get("context")) == meaning(record["context"]):
+            continue
+        kept.append(record)
+    return kept
 
 
 class Agent:
@@ -214,7 +225,9 @@ def test_a_forgotten_id_is_expanded_and_teaches_nothing_about_the_upstream(smg, 
     output = proxy.stop()
     assert "expanding chains for it from now on" not in output
     assert output.count(" expanded once") == 1  # the rescue alone
-    assert "expanded resp_" not in output  # the new conversation's ids went to smg as they were
+    # the new conversation's ids went to smg as they were: a chain expanded for the usage proof (an item kind smg
+    # has not yet shown it keeps) goes on as a continuation of the client's own id
+    assert output.count(": expanded resp_") <= len(re.findall(r"rewritten .* previous resp_", output))
     assert final_stats(output)["continued"] >= len(full.sent) - 2
 
 
@@ -347,7 +360,8 @@ def test_smgs_redis_history_outlives_its_restart_through_the_proxy(model_server,
         output = proxy.stop()
         counts = final_stats(output)
         assert counts["retries"] == 0 and counts["continued"] >= len(full.sent) - 2
-        assert "expanded" not in output  # smg kept the chain: nothing for the proxy to rescue
+        assert " expanded once" not in output  # smg kept the chain: nothing for the proxy to rescue
+        assert output.count(": expanded resp_") <= len(re.findall(r"rewritten .* previous resp_", output))
     finally:
         server.stop()
         redis.stop()

@@ -406,7 +406,7 @@ class ResponsesModel:
             record.update(input_items=len(items), previous_response_id=previous, model=body["model"],
                           instructions=body.get("instructions"), context=context,
                           context_digest=context_digest(context))
-            usage = _usage(len(canonical(context)), [])
+            usage = _usage(context, [])
             return compaction.compacted_response(body, context, [listed_item(i) for i in context], credential,
                                                  int(time.time()), usage), None
 
