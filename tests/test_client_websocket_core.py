@@ -257,7 +257,8 @@ def test_an_idle_socket_is_closed_normally_and_a_busy_one_is_not(monkeypatch):
             with pytest.raises(Exception):
                 await asyncio.wait_for(ws.recv(), 5)
             assert ws.close_code == 1000
-        assert session.closed.is_set() and len(session.memory) == 0  # its memory went with it
+        await asyncio.wait_for(session.closed.wait(), 5)  # the server's side ends just after the client saw it
+        assert len(session.memory) == 0  # its memory went with it
         server.close()
     asyncio.run(go())
 
