@@ -284,3 +284,22 @@ def test_an_internal_error_is_the_turns_error_event_and_the_socket_goes_on():
         assert calls == [0, 1]
         server.close()
     asyncio.run(go())
+
+
+@pytest.mark.skipif(not hasattr(asyncio, "eager_task_factory"), reason="eager tasks came with Python 3.12")
+def test_a_lane_whose_turn_needed_no_wait_takes_its_next_create_under_eager_tasks():
+    """mitmproxy 12 runs tasks eagerly: a warm-up the proxy answers can finish its lane before create_task
+    returns. The next create on that lane must still be served (it hung: the finished worker was kept)."""
+    async def go():
+        asyncio.get_running_loop().set_task_factory(asyncio.eager_task_factory)
+        upstream = Upstream()
+        session = Session(upstream.post)
+        server, url = await serve(session)
+        async with connect(url) as ws:
+            await ws.send(create(input="warm", generate=False, store=False).decode())
+            warm = next(e for e in await until(ws, "response.completed") if e["type"] == "response.completed")
+            await ws.send(create(input="then", previous_response_id=warm["response"]["id"], store=False).decode())
+            await until(ws, "response.completed")
+        assert len(upstream.bodies) == 1
+        server.close()
+    asyncio.run(go())

@@ -147,7 +147,9 @@ class Proofs:
         self._run(scope, self._prove_echo(flow, scope, label, upstream, response_id, items_sent))
 
     def _run(self, scope: str, proof: Coroutine[Any, Any, asyncio.Future | None]) -> None:
-        self._running[scope] = (asyncio.get_running_loop().create_task(self._finally_done(scope, proof)), self._now())
+        task = asyncio.get_running_loop().create_task(self._finally_done(scope, proof))
+        if not task.done():  # an eager task (mitmproxy 12) that never waited is over, its entry already dropped
+            self._running[scope] = (task, self._now())
 
     async def _finally_done(self, scope: str,
                             proof: Coroutine[Any, Any, asyncio.Future | None]) -> asyncio.Future | None:

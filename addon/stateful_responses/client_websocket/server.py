@@ -140,7 +140,11 @@ class Session:
         self._queues.setdefault(lane, deque()).append((message, self.turns))
         self.turns += 1
         if lane not in self._workers:
-            self._workers[lane] = asyncio.get_running_loop().create_task(self._lane(lane))
+            # mitmproxy 12 runs tasks eagerly: a lane whose turns need no await (a warm-up the proxy answers) is
+            # done, its ``finally`` run, before create_task returns; a done worker must not be kept as the lane's
+            worker = asyncio.get_running_loop().create_task(self._lane(lane))
+            if not worker.done():
+                self._workers[lane] = worker
 
     async def _lane(self, lane: str | None) -> None:
         """A lane's creates, one after the other."""
