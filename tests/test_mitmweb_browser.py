@@ -64,8 +64,9 @@ def test_flow_list_and_view_show_the_decision(mitmweb):
             # the flow list: the addon's marks and comments tell continued from full
             table = page.locator(".flow-table").inner_text()
             assert "full: 1 items (no stored prefix)" in table
-            assert table.count("continued from resp_") == len(conv.sent) - 1
-            assert table.count("♻") == len(conv.sent) - 1 and "➡" in table
+            assert table.count("continued from resp_") == len(conv.sent) - 1, table
+            # ♻ on each continued flow, and on the usage proof's one comparison (the turn sent whole beside it)
+            assert table.count("♻") == len(conv.sent) - 1 + table.count("comparison for ") and "➡" in table
             assert table.count("can the upstream read resp_") == 1  # one proof per upstream + credential
             # open the last (continued) flow; the request body is shown by the addon's view
             rows.nth(len(conv.sent)).click()

@@ -38,7 +38,7 @@ from typing import Any
 
 import pytest
 import strict_json
-from driver import INSTRUCTIONS, TOOLS, expand_input, httpx
+from driver import INSTRUCTIONS, TOOLS, expand_input, httpx, without_comparisons
 from harness import Proxy, start_mitmdump
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -367,8 +367,12 @@ class Judge:
             parent = r.get("previous_response_id")
             assert parent is None or parent in self.clean, report(
                 f"CONTINUED FROM {parent}: {self.unsafe.get(parent, 'an id no answer gave as stored')}")
-        assert all(r["body_sha256"] != sha and 400 <= r["status_code"] < 500 for r in refused) and not (refused and final_rewritten), \
-            report("THE UPSTREAM SAW MORE THAN A REFUSED REWRITE AND THEN THE CLIENT'S OWN BODY")
+        # Before the client's own body: rewrites the upstream refused (4xx), or a continuation held and checked
+        # (the usage proof holds the first continuation of an item kind; an answer that did not show the chain
+        # read is replaced by the client's own body's), never more.
+        assert all(r["body_sha256"] != sha and (400 <= r["status_code"] < 500 or r["status_code"] == 200)
+                   for r in refused) and not (refused and final_rewritten), \
+            report("THE UPSTREAM SAW MORE THAN A REFUSED OR CHECKED REWRITE AND THEN THE CLIENT'S OWN BODY")
         assert not (final_rewritten and 400 <= final["status_code"] < 500), report("A REFUSAL OF THE REWRITE REACHED THE CLIENT")
         assert answer.status_code == final["status_code"], report(f"THE CLIENT GOT {answer.status_code}, NOT THE UPSTREAM'S ANSWER")
         sent = final.get("answer") or final.get("sse", "").encode("utf-8", "surrogatepass")
@@ -472,7 +476,7 @@ def test_oddly_written_requests_keep_their_meaning_or_pass_untouched(stack):
             raw = quirk.write(body, data.draw(styles, label=f"turn {turn}: style"))
             before = len(emulator.model.snapshot_log())
             answer = send(http, proxy, key, raw)
-            judge.check(raw, answer, emulator.model.snapshot_log()[before:])
+            judge.check(raw, answer, without_comparisons(emulator.model.snapshot_log()[before:]))
             output = output_read_by_client(answer)
             history = [*history, *output, *tool_outputs(output, data.draw(extras, label=f"turn {turn}: tool extra"))]
         assert_no_internal_errors(proxy, log_position)
