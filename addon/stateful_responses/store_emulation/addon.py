@@ -376,13 +376,11 @@ class StoreEmulation:
             return record.expanded
         if self.mode == "off":
             return None
-        reading = self.reader.read(request_of(flow, client), count=False)
-        if isinstance(reading, Skip) or not isinstance(reading.previous, str):
+        chained = self._chained(flow, client)
+        if chained is None:
             return None
-        raw_input = reading.raw_items if reading.raw_items is not None \
-            else [string_input_item(bytes(reading.fields["input"]))]
-        record = record or _Flow(self._tenant(reading.credential), reading.credential, reading.scope, reading.label,
-                                 reading.upstream, reading.previous, raw_input, client)
+        reading, fresh = chained
+        record = record or fresh
         try:
             return (await self._expand(reading, record))[0]
         except (ChainError, StorageError):
@@ -406,19 +404,26 @@ class StoreEmulation:
                 client.content = splice(client.raw_content or b"", fields, {"input": b"[]"})
         except (msgspec.DecodeError, ValueError):
             return None
-        reading = self.reader.read(request_of(flow, client), count=False)
-        if isinstance(reading, Skip) or not isinstance(reading.previous, str):
+        chained = self._chained(flow, client)
+        if chained is None:
             return None
-        raw_input = reading.raw_items if reading.raw_items is not None \
-            else [string_input_item(bytes(reading.fields["input"]))]
-        record = _Flow(self._tenant(reading.credential), reading.credential, reading.scope, reading.label,
-                       reading.upstream, reading.previous, raw_input, client)
+        reading, record = chained
         try:
             if self.mode == "auto" and not await self._upstream_cannot_have(record):
                 return None
             return (await self._expand(reading, record))[0]
         except (ChainError, StorageError):
             return None  # a chain the record does not hold is the upstream's
+
+    def _chained(self, flow: http.HTTPFlow, client: http.Request) -> tuple[Reading, _Flow] | None:
+        """``client``'s reading and a fresh record of it, where it names a ``previous_response_id``."""
+        reading = self.reader.read(request_of(flow, client), count=False)
+        if isinstance(reading, Skip) or not isinstance(reading.previous, str):
+            return None
+        raw_input = reading.raw_items if reading.raw_items is not None \
+            else [string_input_item(bytes(reading.fields["input"]))]
+        return reading, _Flow(self._tenant(reading.credential), reading.credential, reading.scope, reading.label,
+                              reading.upstream, reading.previous, raw_input, client)
 
     # -- retrieve, input_items, delete --------------------------------------------------
 
