@@ -392,9 +392,12 @@ def test_a_stream_error_is_the_http_streams_error_event(emulator):
 
 
 def arrivals(conn, **body) -> list[float]:
-    """When each event of one turn arrived, the first entry being when it was sent."""
-    conn.response.create(**{"model": "m", **body})
+    """When each event of one turn arrived, the first entry being just before it was sent.
+
+    Read before the send: the emulator starts the model's time on receipt, which can be before `create` returns.
+    """
     times = [time.monotonic()]
+    conn.response.create(**{"model": "m", **body})
     for event in conn:
         times.append(time.monotonic())
         if event.type in TERMINAL:
