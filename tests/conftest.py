@@ -26,10 +26,24 @@ def emulator():
         yield emu
 
 
+PROXIES = pytest.StashKey[list]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report shows the end of each proxy's output: a failure seen once in CI is read there."""
+    report = yield
+    if report.when == "call" and report.failed:
+        for n, proxy in enumerate(item.stash.get(PROXIES, [])):
+            report.sections.append((f"proxy {n}, its output's last 150 lines",
+                                    "\n".join(proxy.output().splitlines()[-150:])))
+    return report
+
+
 @pytest.fixture
-def start_proxy():
+def start_proxy(request):
     """Start mitmdump with the addon; every proxy started is stopped at teardown."""
-    started = []
+    started = request.node.stash[PROXIES] = []
 
     def start(upstream: str, *extra: str, **options):
         started.append(start_mitmdump(upstream, *extra, **options))

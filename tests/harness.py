@@ -128,6 +128,8 @@ class Proxy:
         return f"http://127.0.0.1:{self.port}"
 
     def output(self) -> str:
+        if self._stopped_output is not None:
+            return self._stopped_output
         self._log.flush()
         return self.log_path.read_text(errors="replace")
 
