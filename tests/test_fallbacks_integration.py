@@ -8,6 +8,7 @@ import hashlib
 import json
 import threading
 
+import openai
 import pytest
 from driver import (
     ChainedConversation,
@@ -377,3 +378,24 @@ def test_a_500_to_a_chain_expanded_before_the_upstream_is_proven_is_retried_with
     assert_chain_context_preserved(conv, records)
     output = proxy.stop()
     assert "expanded" in output and "internal error" not in output
+
+
+def test_a_retry_cut_midway_reaches_the_client_as_mitmproxys_502_never_as_a_whole_answer(emulator, start_proxy):
+    """The client's own body, sent again after its expanded chain met a 500, is cut mid-stream: the client has
+    seen nothing of it (the retry is held whole), so it gets what mitmproxy answers a failed upstream with, a 502
+    SDKs retry, never the cut answer under a head that says it is whole (CI once saw such an answer's
+    Content-Length with no body after it)."""
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=auto", "--set", "stateful_force_store=false",
+                        "--set", "stateful_debug=true")
+    emulator.model.control({"fail_next": [{"kind": "stall", "endpoint": "retrieve", "ms": 6000}]})
+    conv = ChainedConversation(proxy.url, stream=True)
+    conv.turn("first")
+    emulator.model.control({"fail_next": [{"kind": "status", "status": 500}, {"kind": "cut", "after_events": 2}]})
+    with pytest.raises(openai.APIStatusError) as failed:
+        conv.turn("second")
+    conv.close()
+    assert failed.value.status_code == 502
+    assert [r["status_code"] for r in log(emulator)][1:] == [500, 200]  # the expansion's 500, the retry (cut)
+    output = proxy.stop()
+    assert "the retry failed" in output or "answered 502" in output
+    assert "internal error" not in output

@@ -52,8 +52,8 @@ class Replays:
                    kind: str = "retry", timeout: float | None = None,
                    metadata: dict | None = None) -> tuple[http.Response, str | None]:
         """The answer the client gets for ``request`` sent in its flow's place:
-        the upstream's, or mitmproxy's own 502 (and why) when the retry itself
-        failed, never the refusal that made us retry. With a ``timeout``, an
+        the upstream's, whole, or mitmproxy's own 502 (and why) when the retry
+        itself failed, even midway, never the refusal that made us retry. With a ``timeout``, an
         answer not whole by then is given up (its connection closed)."""
         from mitmproxy.addons.clientplayback import ReplayHandler
 
@@ -88,7 +88,8 @@ class Replays:
         except Exception:
             internal_error(self.counters, "retrying a request")
         body = self._bodies.pop(child.id, None) if child is not None else None
-        if child is not None and child.response is not None and body is not None:
+        # An answer whose connection failed midway is no answer: its head promised bytes that never came.
+        if child is not None and child.response is not None and body is not None and child.error is None:
             child.response.raw_content = bytes(body)
             return child.response, None
         failure = str(child.error) if child is not None and child.error else "internal error"
