@@ -496,7 +496,7 @@ class Background:
         """The run's answer, once it is whole: its end (a streamed one was logged as it came)."""
         if run.ended:
             return
-        if child is None or child.response is None:
+        if child is None or child.response is None or (child.error is not None and not run.streamed):
             await self._finish(run, [run.relabel.failure({"message": f"The upstream failed to answer: "
                                                                      f"{child.error if child else 'no answer'}"})])
             return
