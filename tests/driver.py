@@ -150,6 +150,65 @@ def _as_dict(item: Any) -> Any:
     return item.model_dump(exclude_unset=True) if hasattr(item, "model_dump") else item
 
 
+class ToolAgent:
+    """One tool-using conversation of the openai SDK, as a gateway's tests drive it: ``chained`` sends only what
+    is new with ``previous_response_id``, else the whole history. Each request's whole context is kept by
+    ``_meant``; ``_kept`` says how the answer's items go back into the history (a gateway may want them
+    without ids)."""
+
+    model = "gpt-test"
+
+    def __init__(self, client: openai.OpenAI, *, chained: bool, stream: bool = False, **options) -> None:
+        self.client = client
+        self.chained, self.stream, self.options = chained, stream, options
+        self.history: list[dict] = []
+        self.sent_upto = 0
+        self.previous: str | None = None
+        self.meant: list = []
+
+    def _send(self, **body):
+        if not self.stream:
+            return self.client.responses.create(**body)
+        with self.client.responses.create(stream=True, **body) as events:
+            final = [event.response for event in events if event.type == "response.completed"]
+        assert final, "the stream ended without response.completed"
+        return final[-1]
+
+    def _meant(self, context: list[dict], output: list[dict]) -> None:
+        self.meant.append(context)
+
+    def _kept(self, output: list[dict]) -> list[dict]:
+        return output
+
+    def _request(self) -> list[dict]:
+        body = dict(model=self.model, tools=TOOLS, instructions=INSTRUCTIONS, **self.options)
+        body["input"] = self.history[self.sent_upto:] if self.chained else self.history
+        if self.chained and self.previous is not None:
+            body["previous_response_id"] = self.previous
+        response = self._send(**body)
+        output = [item.model_dump(exclude_unset=True) for item in response.output]
+        self._meant(list(self.history), output)
+        self.previous = response.id
+        self.history.extend(self._kept(output))
+        self.sent_upto = len(self.history)
+        return output
+
+    def turn(self, text: str) -> None:
+        self.history.append({"role": "user", "content": text})
+        while calls := [item for item in self._request() if item["type"] == "function_call"]:
+            self.history += [{"type": "function_call_output", "call_id": call["call_id"],
+                              "output": json.dumps({"city": json.loads(call["arguments"])["city"], "temp_c": 21})}
+                             for call in calls]
+
+    def converse(self, turns: list[str]) -> ToolAgent:
+        for text in turns:
+            self.turn(text)
+        return self
+
+    def close(self) -> None:
+        self.client.close()
+
+
 def assert_chain_context_preserved(conv: ChainedConversation, log: list[dict]) -> None:
     """For every request the client's SDK saw answered: the upstream's effective
     context == the context its previous_response_id chain means."""

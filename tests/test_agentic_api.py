@@ -15,13 +15,12 @@ without a proxy: the full-history clients here send their items without ids.
 
 from __future__ import annotations
 
-import json
 import re
 
 import openai
 import pytest
 from mitmproxy import io
-from driver import INSTRUCTIONS, TOOLS, drop_nulls, httpx, user_turns
+from driver import INSTRUCTIONS, ToolAgent, drop_nulls, httpx, user_turns
 
 
 def as_agentic_sends(items: list) -> list:
@@ -36,54 +35,23 @@ def without_id(item: dict) -> dict:
     return {key: value for key, value in item.items() if key != "id"}
 
 
-class Agent:
-    """One tool-using conversation through ``base_url``: ``chained`` sends only
-    what is new with ``previous_response_id``, else the whole history (its
-    items without ids). Each request's meaning (the whole context it means)
-    is kept with the answer's output item ids, which agentic-api passes on
-    from the model server: they find the model server's record of the turn."""
+class Agent(ToolAgent):
+    """A tool-using conversation with agentic-api behind ``base_url``: a full-history client sends its items
+    without ids. Each request's meaning (the whole context it means) is kept with the answer's output item ids,
+    which agentic-api passes on from the model server: they find the model server's record of the turn."""
+
+    model = "m"
 
     def __init__(self, base_url: str, *, chained: bool, stream: bool = False, **options) -> None:
-        self.client = openai.OpenAI(base_url=base_url + "/v1", api_key="sk-agentic", max_retries=0)
-        self.chained, self.stream, self.options = chained, stream, options
-        self.history: list[dict] = []
-        self.sent_upto = 0
-        self.previous: str | None = None
+        super().__init__(openai.OpenAI(base_url=base_url + "/v1", api_key="sk-agentic", max_retries=0),
+                         chained=chained, stream=stream, **options)
         self.meant: list[tuple[list, list[str]]] = []  # (the whole context, the answer's output ids)
 
-    def _send(self, **body):
-        if not self.stream:
-            return self.client.responses.create(**body)
-        with self.client.responses.create(stream=True, **body) as events:
-            final = [event.response for event in events if event.type == "response.completed"]
-        assert final, "the stream ended without response.completed"
-        return final[-1]
+    def _meant(self, context: list[dict], output: list[dict]) -> None:
+        self.meant.append((context, [item["id"] for item in output]))
 
-    def _request(self):
-        body = dict(model="m", tools=TOOLS, instructions=INSTRUCTIONS, **self.options)
-        if self.chained:
-            body["input"] = self.history[self.sent_upto:]
-            if self.previous is not None:
-                body["previous_response_id"] = self.previous
-        else:
-            body["input"] = self.history
-        response = self._send(**body)
-        output = [item.model_dump(exclude_unset=True) for item in response.output]
-        self.meant.append((list(self.history), [item["id"] for item in output]))
-        self.previous = response.id
-        self.history.extend(output if self.chained else [without_id(item) for item in output])
-        self.sent_upto = len(self.history)
-        return output
-
-    def turn(self, text: str) -> None:
-        self.history.append({"role": "user", "content": text})
-        while calls := [item for item in self._request() if item["type"] == "function_call"]:
-            self.history += [{"type": "function_call_output", "call_id": call["call_id"],
-                              "output": json.dumps({"city": json.loads(call["arguments"])["city"], "temp_c": 21})}
-                             for call in calls]
-
-    def close(self) -> None:
-        self.client.close()
+    def _kept(self, output: list[dict]) -> list[dict]:
+        return output if self.chained else [without_id(item) for item in output]
 
 
 def six_exact_turns(proxy, emulator, *, chained: bool, stream: bool = False) -> Agent:

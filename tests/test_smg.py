@@ -13,12 +13,11 @@ conversations and reads the emulator's log from where it started.
 
 from __future__ import annotations
 
-import json
 import re
 
 import openai
 import pytest
-from driver import INSTRUCTIONS, TOOLS, httpx, meaning, user_turns
+from driver import ToolAgent, httpx, meaning, user_turns
 from redis_server import start_redis_server
 from smg_server import SmgServer
 from stateful_responses.emulator import Emulator
@@ -61,63 +60,22 @@ def served(emulator, start: int) -> list[dict]:
     return kept
 
 
-class Agent:
-    """One tool-using conversation through ``base_url``: ``chained`` sends only
-    what is new with ``previous_response_id``, else the whole history (output
-    items as the SDK returned them, ids included). What each request meant (the
-    whole context) is kept, and the bytes of every request body sent."""
+class Agent(ToolAgent):
+    """A tool-using conversation with smg behind ``base_url`` (output items go back as the SDK returned them,
+    ids included): what each request meant (the whole context) is kept, and the bytes of every request body
+    sent."""
 
     def __init__(self, base_url: str, emulator, *, chained: bool, stream: bool = False,
                  key: str = "sk-smg", **options) -> None:
         self.sent: list[int] = []
-        self.client = openai.OpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0, http_client=httpx.Client(
-            event_hooks={"request": [self._count]}, trust_env=False, timeout=60))
-        self.chained, self.stream, self.options = chained, stream, options
-        self.history: list[dict] = []
-        self.sent_upto = 0
-        self.previous: str | None = None
-        self.meant: list[list] = []
+        super().__init__(openai.OpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0, http_client=httpx.Client(
+            event_hooks={"request": [self._count]}, trust_env=False, timeout=60)),
+                         chained=chained, stream=stream, **options)
         self.start = len(emulator.model.snapshot_log())
 
     def _count(self, request: httpx.Request) -> None:
         if request.method == "POST" and request.url.path.endswith("/responses"):
             self.sent.append(len(request.read()))
-
-    def _send(self, **body):
-        if not self.stream:
-            return self.client.responses.create(**body)
-        with self.client.responses.create(stream=True, **body) as events:
-            final = [event.response for event in events if event.type == "response.completed"]
-        assert final, "the stream ended without response.completed"
-        return final[-1]
-
-    def _request(self) -> list[dict]:
-        body = dict(model="gpt-test", tools=TOOLS, instructions=INSTRUCTIONS, **self.options)
-        body["input"] = self.history[self.sent_upto:] if self.chained else self.history
-        if self.chained and self.previous is not None:
-            body["previous_response_id"] = self.previous
-        response = self._send(**body)
-        output = [item.model_dump(exclude_unset=True) for item in response.output]
-        self.meant.append(list(self.history))
-        self.previous = response.id
-        self.history.extend(output)
-        self.sent_upto = len(self.history)
-        return output
-
-    def turn(self, text: str) -> None:
-        self.history.append({"role": "user", "content": text})
-        while calls := [item for item in self._request() if item["type"] == "function_call"]:
-            self.history += [{"type": "function_call_output", "call_id": call["call_id"],
-                              "output": json.dumps({"city": json.loads(call["arguments"])["city"], "temp_c": 21})}
-                             for call in calls]
-
-    def converse(self, turns: list[str]) -> Agent:
-        for text in turns:
-            self.turn(text)
-        return self
-
-    def close(self) -> None:
-        self.client.close()
 
     def assert_exact(self, emulator) -> None:
         """The model server's context for every answer is the whole context the client meant (its
