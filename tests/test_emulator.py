@@ -120,11 +120,11 @@ def test_a_thinking_model_answers_after_think_ms_and_a_reset_with_settings_keeps
         assert status == 200 and 1.5 <= time.monotonic() - began < 5
     began = time.monotonic()
     status, queued = post(emulator, {"model": "m", "input": "x", "background": True})
-    assert status == 200 and queued["status"] == "queued" and time.monotonic() - began < 1
+    assert status == 200 and queued["status"] == "queued" and time.monotonic() - began < 1.5  # it did not think
     emulator.model.control({"reset": True})
     began = time.monotonic()
     post(emulator, {"model": "m", "input": "x"})
-    assert time.monotonic() - began < 1
+    assert time.monotonic() - began < 1.5  # the reset cleared think_ms
 
 
 @pytest.mark.parametrize("options,obfuscated", [({}, True), ({"include_obfuscation": False}, False)])

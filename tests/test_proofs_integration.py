@@ -55,7 +55,7 @@ def test_a_proof_answered_5xx_leaves_the_upstream_unproven_and_full_history_goes
 
 def test_a_slow_proof_delays_one_answer_by_two_seconds_at_most_and_its_verdict_counts_once_it_comes(
         emulator, start_proxy):
-    emulator.model.control({"fail_next": [retrieve_fault("stall", ms=3500)]})
+    emulator.model.control({"fail_next": [retrieve_fault("stall", ms=6000)]})
     proxy = start_proxy(emulator.url)
     conv = Conversation(proxy.url)
     started = time.monotonic()
@@ -63,14 +63,15 @@ def test_a_slow_proof_delays_one_answer_by_two_seconds_at_most_and_its_verdict_c
     first = time.monotonic() - started
     conv.turn(TEXTS[1])  # planned at once, full: the proof has had its two seconds
     second = time.monotonic() - started - first
-    time.sleep(max(0.0, started + 4.5 - time.monotonic()))  # the GET's answer came meanwhile
+    time.sleep(max(0.0, started + 6.5 - time.monotonic()))  # the GET's answer came meanwhile
     for text in TEXTS[2:]:
         conv.turn(text)
     conv.close()
     log = creates(emulator)
     assert_context_preserved(conv.sent, log)
     assert sent_previous(log) == [False, False, True, True, True]
-    assert 2 <= first < 3.4 and second < 1.5, (first, second)
+    # waiting for the GET's answer would take 6 s: bounds far from it, which no load on the machine blurs
+    assert 2 <= first < 5 and second < 3, (first, second)
 
 
 def test_a_proof_unanswered_for_10_s_is_given_up(emulator, start_proxy):
