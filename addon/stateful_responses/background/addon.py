@@ -150,10 +150,6 @@ class Background:
         except Exception:
             internal_error(self.counters, "answering a background response")
 
-    def _tenant(self, credential: bytes) -> Tenant:
-        return Tenant.of(self.tenancy.secret, credential, seal_key=self.tenancy.seal_key,
-                         older_secrets=self.tenancy.older_secrets)
-
     async def _create(self, flow: http.HTTPFlow) -> None:
         content = flow.request.get_content(strict=False) or b""  # undecodable: its bytes, which ask nothing
         if not MAY_CONCERN_US.search(content):  # most requests: no full parse of a long history on the event loop
@@ -166,7 +162,7 @@ class Background:
             return
         await self.state.ready()  # the store's secret names the tenant's keys
         credential = credential_material(request_of(flow))
-        tenant = self._tenant(credential)
+        tenant = Tenant.under(self.tenancy, credential)
         previous = body.get("previous_response_id")
         if core.is_ours(previous):  # a continuation of a job: the upstream knows its answer by its own id
             job = await self._read(tenant, previous)
@@ -235,7 +231,7 @@ class Background:
 
     async def _endpoint(self, flow: http.HTTPFlow, response_id: str, action: str | None) -> None:
         await self.state.ready()
-        tenant = self._tenant(_credential_without_api_query(flow))
+        tenant = Tenant.under(self.tenancy, _credential_without_api_query(flow))
         job = await self._read(tenant, response_id)
         if job is None:
             flow.response = _not_found(response_id)

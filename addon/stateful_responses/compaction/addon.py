@@ -86,10 +86,6 @@ class Compaction:
     def provides(self) -> bool:
         return self.config.settings.compaction == "auto"
 
-    def _tenant(self, credential: bytes) -> Tenant:
-        return Tenant.of(self.tenancy.secret, credential, seal_key=self.tenancy.seal_key,
-                         older_secrets=self.tenancy.older_secrets)
-
     # -- requests ------------------------------------------------------------------
 
     async def request(self, flow: http.HTTPFlow) -> None:
@@ -127,7 +123,7 @@ class Compaction:
         items = [raw_input] if isinstance(raw_input, str) else raw_input if isinstance(raw_input, list) else []
         items = [{"role": "user", "content": i} if isinstance(i, str) else i for i in items]
         raw_items = [json.dumps(i).encode() for i in items]
-        tenant = self._tenant(credential)
+        tenant = Tenant.under(self.tenancy, credential)
         try:
             window = core.substitute(raw_items, tenant)
         except core.ApiError as e:
@@ -160,7 +156,7 @@ class Compaction:
         items = reading.raw_items
         # A conversation the proxy does not keep is the upstream's: the proxy could not summarize it.
         triggered = bool(items) and is_compaction_trigger(items[-1]) and reading.conversation is None
-        tenant = self._tenant(reading.credential)
+        tenant = Tenant.under(self.tenancy, reading.credential)
         lacks = self.upstreams.has("lacks_compaction", reading.scope)
         try:
             window = core.substitute(items, tenant)

@@ -169,10 +169,6 @@ def _forgot_the_id(body: bytes, response_id: str) -> bool:
     return b"previous_response_not_found" in body or response_id.encode() in body
 
 
-def tenant_of(tenancy: Tenancy, credential: bytes) -> Tenant:
-    return Tenant.of(tenancy.secret, credential, seal_key=tenancy.seal_key, older_secrets=tenancy.older_secrets)
-
-
 class StoreEmulation:
     def __init__(self, config: Config, counters: Counters, tenancy: Tenancy, reader: Reader, upstreams: Upstreams,
                  state: StateAccess, history: History, replays: Replays, proofs: Proofs) -> None:
@@ -214,7 +210,7 @@ class StoreEmulation:
                            "stateful_seal_key_file (or STATEFUL_RESPONSES_SEAL_KEY) to protect them.")
 
     def _tenant(self, credential: bytes) -> Tenant:
-        return tenant_of(self.tenancy, credential)
+        return Tenant.under(self.tenancy, credential)
 
     # -- requests ------------------------------------------------------------------
 
@@ -1001,7 +997,7 @@ class ConversationEmulation:
         scope, label = self.tenancy.scope(f"{url.scheme}://{url.netloc}{base}", credential)
         call = dataclasses.replace(call, body=flow.request.get_content(strict=False) or b"",
                                    query=tuple((k, v) for k, v in pairs if k in LIST_PARAMETERS))
-        record = _InConversation(tenant_of(self.tenancy, credential), credential, scope, label, call.conversation_id)
+        record = _InConversation(Tenant.under(self.tenancy, credential), credential, scope, label, call.conversation_id)
         proxy_is_the_api = self._proxy_is_the_api(scope)
         if call.endpoint != "create":
             record.conversation = await self._find(record, learn_secrets=proxy_is_the_api)
@@ -1038,7 +1034,7 @@ class ConversationEmulation:
         tenant (StorageError when the store cannot say)."""
         conversation = await self.conversations.find(record.tenant, record.conversation_id, self.state.get_strict)
         if conversation is None and learn_secrets and await self.state.learn_secrets():
-            record.tenant = tenant_of(self.tenancy, record.credential)  # made under a secret new to this replica?
+            record.tenant = Tenant.under(self.tenancy, record.credential)  # made under a secret new to this replica?
             conversation = await self.conversations.find(record.tenant, record.conversation_id,
                                                          self.state.get_strict)
         return conversation
@@ -1055,7 +1051,7 @@ class ConversationEmulation:
         reading = self.reader.read(request_of(flow, client), count=False, conversations=True)
         if isinstance(reading, Skip) or reading.conversation is None:
             return
-        record = _InConversation(tenant_of(self.tenancy, reading.credential), reading.credential, reading.scope,
+        record = _InConversation(Tenant.under(self.tenancy, reading.credential), reading.credential, reading.scope,
                                  reading.label, "")
         proxy_is_the_api = self._proxy_is_the_api(reading.scope)
         # A model outside stateful_models is left alone unless its conversation is one the proxy keeps.
@@ -1142,7 +1138,7 @@ class ConversationEmulation:
         if self.mode == "off" or reading.previous is not None:
             return None
         try:
-            record = _InConversation(tenant_of(self.tenancy, reading.credential), reading.credential, reading.scope,
+            record = _InConversation(Tenant.under(self.tenancy, reading.credential), reading.credential, reading.scope,
                                      reading.label, named(reading.conversation))
             record.conversation = await self._find(record, learn_secrets=False)
             if record.conversation is None:

@@ -30,6 +30,7 @@ import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 from blake3 import blake3
@@ -38,6 +39,9 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from ..entropy import random_bytes
 from ..state.storage import SHARD_TAG_SIZE, shard_tag
+
+if TYPE_CHECKING:
+    from ..tenancy import Tenancy
 
 TURNS = "turns"  # turn key -> TurnHeader (body sealed)
 ITEMS = "items"  # item key -> sealed item JSON
@@ -92,6 +96,11 @@ class Tenant:
     _aead: ChaCha20Poly1305
     older: tuple[Tenant, ...] = ()
     shard: bytes = b""  # leads each of its keys: the shard tag of ``tag``
+
+    @classmethod
+    def under(cls, tenancy: Tenancy, credential: bytes) -> Tenant:
+        """``credential``'s tenant under the secrets and the seal key ``tenancy`` holds now."""
+        return cls.of(tenancy.secret, credential, seal_key=tenancy.seal_key, older_secrets=tenancy.older_secrets)
 
     @classmethod
     def of(cls, secret: bytes, credential: bytes, *, seal_key: bytes = b"",
