@@ -175,9 +175,7 @@ def test_the_trigger_stays_last_and_is_never_replayed(emulator, start_proxy):
     proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always", "--set", "stateful_debug=true")
     first = post(proxy, {"model": MODEL, "input": [user("one")]}).json()
     second = post(proxy, {"model": MODEL, "input": [user("two")], "previous_response_id": first["id"]}).json()
-    with httpx.Client(trust_env=False, timeout=60) as c:
-        r = c.post(proxy.url + "/v1/responses", headers={"authorization": f"Bearer {KEY}"},
-                   json={"model": MODEL, "input": [TRIGGER], "previous_response_id": second["id"], "stream": True})
+    r = post(proxy, {"model": MODEL, "input": [TRIGGER], "previous_response_id": second["id"], "stream": True})
     assert r.status_code == 200, r.text
     trigger_record = creates(emulator)[-1]
     assert trigger_record["context"][-1] == TRIGGER or trigger_record["input_items"] == 5
@@ -310,9 +308,7 @@ def test_a_trigger_on_the_upstreams_own_chain_is_compacted_from_that_chain(emula
     proxy = start_proxy(emulator.url, "--set", "stateful_emulate=auto", "--set", "stateful_debug=true")
     first = post(proxy, {"model": MODEL, "input": [user("one")]}).json()
     second = post(proxy, {"model": MODEL, "input": [user("two")], "previous_response_id": first["id"]}).json()
-    with httpx.Client(trust_env=False, timeout=60) as c:
-        r = c.post(proxy.url + "/v1/responses", headers={"authorization": f"Bearer {KEY}"},
-                   json={"model": MODEL, "input": [TRIGGER], "previous_response_id": second["id"], "stream": True})
+    r = post(proxy, {"model": MODEL, "input": [TRIGGER], "previous_response_id": second["id"], "stream": True})
     completed = [e for e in events_of(r.text) if e["type"] == "response.completed"][0]["response"]
     assert [o["type"] for o in completed["output"]] == ["compaction"]
     summary_request = creates(emulator)[-1]
