@@ -645,10 +645,12 @@ def test_two_turns_on_one_branch_at_once_get_their_own_sockets(emulator, bridge)
 def test_turns_beyond_the_socket_cap_go_over_http_with_the_clients_store(emulator, bridge):
     """Even before the upstream's first answer on a socket: no forced store while WebSocket mode may serve it."""
     proxy = bridge("--set", "stateful_upstream_websocket_max_sockets=1")
-    emulator.model.control({"think_ms": 500})
+    emulator.model.control({"think_ms": 2000})
     busy = threading.Thread(target=converse, args=(Conversation(proxy.url, options={"store": False}), 1, "busy "))
     busy.start()
-    time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while not emulator._server._sockets and time.monotonic() < deadline:  # the busy turn has taken the one socket
+        time.sleep(0.01)  # (a fixed pause let a loaded CI machine send the overflow first: it took the socket)
     overflow = Conversation(proxy.url, options={"store": False})
     converse(overflow, 1, "overflow ")
     busy.join(30)
