@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import sqlite3
+import threading
 import time
 from pathlib import Path
 
@@ -111,6 +112,38 @@ def test_an_answer_the_client_holds_survives_kill_9_at_once(emulator, start_prox
     last = post(proxy.url, {"input": "after five crashes", "previous_response_id": previous})
     assert last.status_code == 200, last.text
     assert said(log(emulator)[-1]) == [f"turn {n}" for n in range(5)] + ["after five crashes"]
+
+
+def test_an_answer_held_whole_reaches_the_client_only_once_its_turn_is_written(emulator, start_proxy, tmp_path):
+    """A checked continuation's answer (the upstream stores, but has not yet
+    shown it continues from an id) is held whole and goes to the client after
+    the response hooks: its turn must be written by then, as a streamed one's
+    is, though it carries a Content-Length. The store's writes are held back
+    while the answer is made (another process holds SQLite's write lock): when
+    the client has the answer, the turn is in the store all the same."""
+    confdir = str(tmp_path)
+    proxy = start_proxy(emulator.url, "--set", "stateful_emulate=always", "--set", "stateful_debug=true",
+                        confdir=confdir)
+    first = post(proxy.url, {"input": "turn 0"})
+    assert first.status_code == 200, first.text
+    store = sqlite3.connect(os.path.join(confdir, "stateful-responses.sqlite3"), isolation_level=None,
+                            check_same_thread=False)
+
+    def turns() -> int:
+        return store.execute("SELECT n FROM counts WHERE tbl = ?", (TURNS,)).fetchone()[0]
+
+    deadline = time.monotonic() + 5
+    while turns() < 1 and time.monotonic() < deadline:  # the first turn's proof settles after its answer
+        time.sleep(0.02)
+    store.execute("BEGIN IMMEDIATE")  # every write of the proxy's waits until the commit
+    released = threading.Timer(0.5, store.execute, ("COMMIT",))
+    released.start()
+    second = post(proxy.url, {"input": "turn 1", "previous_response_id": first.json()["id"]})
+    had_it = turns()
+    released.join()
+    assert second.status_code == 200, second.text
+    assert "expanded" in proxy.output() and had_it == 2
+    store.close()
 
 
 def recorded_under(url: str, secrets: list[bytes], response_ids: list[str]) -> dict[str, bytes]:

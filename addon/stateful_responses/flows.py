@@ -73,24 +73,33 @@ def hold(flow: http.HTTPFlow) -> None:
 
 
 def end_still_to_come(flow: http.HTTPFlow) -> bool:
-    """Whether the client still waits for this answer's end after the response
-    hooks: a chunked stream (SSE), or any answer to an HTTP/2 or HTTP/3 client,
-    whose stream ends after them. An HTTP/1 answer with a Content-Length has
-    reached the client whole already, and waiting would only hold back its next
-    request on the connection."""
+    """In the response hook: whether the client still waits for this answer's
+    end. An answer mitmproxy buffered (held back, or replaced by a hook) goes
+    to the client whole only after the hooks, Content-Length or not; a
+    streamed one, as ``_streamed_end_after_hooks`` says."""
+    assert flow.response is not None
+    return not flow.response.stream or _streamed_end_after_hooks(flow)
+
+
+def _streamed_end_after_hooks(flow: http.HTTPFlow) -> bool:
+    """Whether a streamed answer's end reaches the client after the response
+    hooks: a chunked stream (SSE), or any answer to an HTTP/2 or HTTP/3
+    client, whose stream ends after them. An HTTP/1 answer with a
+    Content-Length has reached the client whole already, and waiting would
+    only hold back its next request on the connection."""
     assert flow.response is not None
     return "content-length" not in flow.response.headers or not flow.request.http_version.startswith("HTTP/1")
 
 
 def keep_end_for_hooks(flow: http.HTTPFlow) -> None:
-    """Make the client wait for this answer's end until the response hooks
-    are done, so that what they write is durable before the client holds the
-    whole answer. An HTTP/1.1 answer with a Content-Length goes chunked instead
-    (the body's bytes unchanged: the terminating chunk follows the hooks); to
-    an HTTP/1.0 client, which has no chunked framing, it goes without a length
-    and the connection's close ends it, after the hooks. HTTP/2 and HTTP/3
-    streams end after the hooks anyway."""
-    if end_still_to_come(flow):
+    """Make the client wait for this streamed answer's end until the response
+    hooks are done, so that what they write is durable before the client holds
+    the whole answer. An HTTP/1.1 answer with a Content-Length goes chunked
+    instead (the body's bytes unchanged: the terminating chunk follows the
+    hooks); to an HTTP/1.0 client, which has no chunked framing, it goes
+    without a length and the connection's close ends it, after the hooks.
+    HTTP/2 and HTTP/3 streams end after the hooks anyway."""
+    if _streamed_end_after_hooks(flow):
         return
     assert flow.response is not None
     del flow.response.headers["content-length"]

@@ -1231,7 +1231,7 @@ class ConversationEmulation:
         # joined: the client's hook names it) or for another addon's retry after it, which joins.
         if not client.metadata.get(HELD) or (client is flow and record.judged is not None):
             self._flows.pop(client)
-        if end_still_to_come(flow) or flow.metadata.get(HELD):
+        if end_still_to_come(flow):
             await self.state.written(record.written, RECORD_WAIT)
 
     def error(self, flow: http.HTTPFlow) -> None:
