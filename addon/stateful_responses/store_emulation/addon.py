@@ -209,9 +209,6 @@ class StoreEmulation:
                            "a placeholder key everyone knows, are not protected at rest. Set "
                            "stateful_seal_key_file (or STATEFUL_RESPONSES_SEAL_KEY) to protect them.")
 
-    def _tenant(self, credential: bytes) -> Tenant:
-        return Tenant.under(self.tenancy, credential)
-
     # -- requests ------------------------------------------------------------------
 
     async def request(self, flow: http.HTTPFlow) -> None:
@@ -242,8 +239,8 @@ class StoreEmulation:
         if raw_input is None:  # a string input is one user message
             raw_input = [string_input_item(bytes(reading.fields["input"]))]
         previous = reading.previous if isinstance(reading.previous, str) else None
-        record = _Flow(self._tenant(reading.credential), reading.credential, reading.scope, reading.label,
-                       reading.upstream, previous, raw_input, client,
+        record = _Flow(Tenant.under(self.tenancy, reading.credential), reading.credential, reading.scope,
+                       reading.label, reading.upstream, previous, raw_input, client,
                        record_turn=reading.client_store is not False,
                        moved=bool((flow.metadata.get(ROUTED) or {}).get("moved")))
         self._flows.put(flow, record)
@@ -337,7 +334,7 @@ class StoreEmulation:
                 raise
             await asyncio.sleep(NOT_FOUND_RETRY)  # written by another proxy a moment ago?
             if await self.state.learn_secrets():  # under a secret new to this replica?
-                record.tenant = self._tenant(record.credential)
+                record.tenant = Tenant.under(self.tenancy, record.credential)
             context = await self.history.context(record.tenant, record.previous_response_id, get)
         items = await self._referenced(record.tenant, context + record.raw_input)
         dropped = 0
@@ -418,8 +415,8 @@ class StoreEmulation:
             return None
         raw_input = reading.raw_items if reading.raw_items is not None \
             else [string_input_item(bytes(reading.fields["input"]))]
-        return reading, _Flow(self._tenant(reading.credential), reading.credential, reading.scope, reading.label,
-                              reading.upstream, reading.previous, raw_input, client)
+        return reading, _Flow(Tenant.under(self.tenancy, reading.credential), reading.credential, reading.scope,
+                              reading.label, reading.upstream, reading.previous, raw_input, client)
 
     # -- retrieve, input_items, delete --------------------------------------------------
 
@@ -436,7 +433,7 @@ class StoreEmulation:
         query = [(k, v) for k, v in parse_qsl(url.query, keep_blank_values=True) if k not in LIST_PARAMETERS]
         reading = dataclasses.replace(request_of(flow), url=urlunsplit(url._replace(query=urlencode(query))))
         credential = credential_material(reading)
-        tenant = self._tenant(credential)
+        tenant = Tenant.under(self.tenancy, credential)
         upstream = f"{url.scheme}://{url.netloc}{match['base']}"
         scope, label = self.tenancy.scope(upstream, credential)
         record = _Flow(tenant, credential, scope, label, upstream, response_id, [], flow.request.copy())
@@ -467,7 +464,7 @@ class StoreEmulation:
         assert record.previous_response_id is not None
         turn = await self.history.turn(record.tenant, record.previous_response_id, self.state.get_strict, fresh=True)
         if turn is None and await self.state.learn_secrets():  # written under a secret new to this replica?
-            record.tenant = self._tenant(record.credential)
+            record.tenant = Tenant.under(self.tenancy, record.credential)
             turn = await self.history.turn(record.tenant, record.previous_response_id, self.state.get_strict,
                                            fresh=True)
         return turn
@@ -997,7 +994,8 @@ class ConversationEmulation:
         scope, label = self.tenancy.scope(f"{url.scheme}://{url.netloc}{base}", credential)
         call = dataclasses.replace(call, body=flow.request.get_content(strict=False) or b"",
                                    query=tuple((k, v) for k, v in pairs if k in LIST_PARAMETERS))
-        record = _InConversation(Tenant.under(self.tenancy, credential), credential, scope, label, call.conversation_id)
+        record = _InConversation(Tenant.under(self.tenancy, credential), credential, scope, label,
+                                 call.conversation_id)
         proxy_is_the_api = self._proxy_is_the_api(scope)
         if call.endpoint != "create":
             record.conversation = await self._find(record, learn_secrets=proxy_is_the_api)
