@@ -368,11 +368,11 @@ def test_ws_stall_lasts_until_the_client_gives_up(emulator):
         with pytest.raises(TimeoutError):
             ws.recv(timeout=0.5)
     for _ in range(100):
-        if not emulator._server._sockets:
+        if not emulator.open_sockets:
             break
         time.sleep(0.05)
     record = socket_records(emulator)[-1]
-    assert not emulator._server._sockets and record["fault"] == "ws_stall" and "messages" not in record  # none sent
+    assert not emulator.open_sockets and record["fault"] == "ws_stall" and "messages" not in record  # none sent
 
 
 def test_http_requests_leave_websocket_faults_queued(emulator):

@@ -251,7 +251,7 @@ def test_an_upstream_that_takes_a_turn_and_sends_nothing_is_given_up_and_the_tur
     assert fresh["transport"] == "websocket" and fresh["socket"] != stalled["socket"] and not fresh["continued"]
     assert_context_preserved(conv.sent, reached_the_client(emulator))
     assert log[-1]["continued"] and "after: no event within 1 s" in proxy.output()
-    assert len(emulator._server._sockets) == 1  # the silent socket was dropped
+    assert emulator.open_sockets == 1  # the silent socket was dropped
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
@@ -649,7 +649,7 @@ def test_turns_beyond_the_socket_cap_go_over_http_with_the_clients_store(emulato
     busy = threading.Thread(target=converse, args=(Conversation(proxy.url, options={"store": False}), 1, "busy "))
     busy.start()
     deadline = time.monotonic() + 10
-    while not emulator._server._sockets and time.monotonic() < deadline:  # the busy turn has taken the one socket
+    while not emulator.open_sockets and time.monotonic() < deadline:  # the busy turn has taken the one socket
         time.sleep(0.01)  # (a fixed pause let a loaded CI machine send the overflow first: it took the socket)
     overflow = Conversation(proxy.url, options={"store": False})
     converse(overflow, 1, "overflow ")
@@ -802,12 +802,12 @@ def test_a_shutdown_after_bridged_traffic_is_quiet(emulator, bridge):
 def test_idle_sockets_are_closed(emulator, bridge):
     proxy = bridge("--set", "stateful_upstream_websocket_idle_s=1")
     converse(Conversation(proxy.url, options={"store": False}), 1)
-    assert len(emulator._server._sockets) == 1
+    assert emulator.open_sockets == 1
     for _ in range(100):  # the sweep runs every 5 s
-        if not emulator._server._sockets:
+        if not emulator.open_sockets:
             break
         time.sleep(0.1)
-    assert not emulator._server._sockets
+    assert not emulator.open_sockets
 
 
 # -- where it runs, and what it shows -----------------------------------------------------------------

@@ -521,6 +521,10 @@ class _Server(ThreadingHTTPServer):
             with self._sockets_lock:
                 self._sockets.discard(ws)
 
+    def open_sockets(self) -> int:
+        with self._sockets_lock:
+            return len(self._sockets)
+
     def close_sockets(self) -> None:
         """Close every open WebSocket, and from now on each one as it upgrades;
         end every kept-alive connection, as a server that stops does (its
@@ -561,6 +565,11 @@ class Emulator:
     @property
     def url(self) -> str:
         return f"{self.scheme}://127.0.0.1:{self.port}"
+
+    @property
+    def open_sockets(self) -> int:
+        """How many WebSockets are open on it now: a test waits for a socket's upgrade, or its close."""
+        return self._server.open_sockets()
 
     def start(self) -> Emulator:
         self._thread.start()
