@@ -132,18 +132,22 @@ def test_an_answer_held_whole_reaches_the_client_only_once_its_turn_is_written(e
     def turns() -> int:
         return store.execute("SELECT n FROM counts WHERE tbl = ?", (TURNS,)).fetchone()[0]
 
-    deadline = time.monotonic() + 5
-    while turns() < 1 and time.monotonic() < deadline:  # the first turn's proof settles after its answer
-        time.sleep(0.02)
-    store.execute("BEGIN IMMEDIATE")  # every write of the proxy's waits until the commit
-    released = threading.Timer(0.5, store.execute, ("COMMIT",))
-    released.start()
-    second = post(proxy.url, {"input": "turn 1", "previous_response_id": first.json()["id"]})
-    had_it = turns()
-    released.join()
+    try:
+        deadline = time.monotonic() + 5
+        while turns() < 1 and time.monotonic() < deadline:  # the first turn's proof settles after its answer
+            time.sleep(0.02)
+        store.execute("BEGIN IMMEDIATE")  # every write of the proxy's waits until the commit
+        released = threading.Timer(0.5, store.execute, ("COMMIT",))
+        released.start()
+        try:
+            second = post(proxy.url, {"input": "turn 1", "previous_response_id": first.json()["id"]})
+            had_it = turns()
+        finally:
+            released.join()
+    finally:
+        store.close()
     assert second.status_code == 200, second.text
     assert "expanded" in proxy.output() and had_it == 2
-    store.close()
 
 
 def recorded_under(url: str, secrets: list[bytes], response_ids: list[str]) -> dict[str, bytes]:
